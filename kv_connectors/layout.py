@@ -1,0 +1,132 @@
+"""KV layout: registered KV tensors (shape, stride, element size) -> byte addresses of every block."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from kv_connectors.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """What the layout needs of one KV tensor; built from a torch.Tensor by the host adapter."""
+
+    name: str
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # in elements, as torch reports it
+    element_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One contiguous segment per block: block b lives at base + b * block_stride, seg_len bytes long."""
+
+    base: int
+    block_stride: int
+    seg_len: int
+    num_blocks: int
+
+    @property
+    def span(self) -> int:
+        """Bytes from base to the end of the last block's segment (what a transport registers)."""
+        return (self.num_blocks - 1) * self.block_stride + self.seg_len
+
+    def addr(self, block_id: int) -> int:
+        return self.base + block_id * self.block_stride
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """All regions of one worker's KV cache, in a fixed order both peers agree on."""
+
+    num_blocks: int
+    block_size: int  # tokens per block
+    regions: tuple[Region, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block occupies over all layers."""
+        return sum(r.seg_len for r in self.regions)
+
+    def shape_signature(self) -> tuple[int, ...]:
+        """Address-free description two peers must share (part of the compatibility hash)."""
+        return (self.block_size, len(self.regions), *(r.seg_len for r in self.regions))
+
+
+def _find_block_dim(info: TensorInfo, num_blocks: int, block_dim: int | None) -> int:
+    if block_dim is not None:
+        if not 0 <= block_dim < len(info.shape) or info.shape[block_dim] != num_blocks:
+            raise ConfigError(
+                f"KV tensor {info.name} shape {info.shape}: dim {block_dim} is not the block dim "
+                f"(num_blocks={num_blocks})"
+            )
+        return block_dim
+    candidates = [d for d, size in enumerate(info.shape) if size == num_blocks]
+    if len(candidates) != 1:
+        raise ConfigError(
+            f"cannot tell the block dimension of KV tensor {info.name} shape {info.shape} "
+            f"(num_blocks={num_blocks}); pass block_dim explicitly"
+        )
+    return candidates[0]
+
+
+def regions_of_tensor(info: TensorInfo, num_blocks: int, block_dim: int | None = None) -> list[Region]:
+    """Split one tensor into regions: one per index of the dims outside the block (e.g. K and V).
+
+    Dims with a stride smaller than the block dim's must form one contiguous segment per block;
+    dims with a larger stride (e.g. a leading K/V dim of size 2) each give separate regions.
+    """
+    bdim = _find_block_dim(info, num_blocks, block_dim)
+    bstride = info.stride[bdim]
+    inner = sorted(
+        (d for d in range(len(info.shape)) if d != bdim and info.stride[d] < bstride),
+        key=lambda d: -info.stride[d],
+    )
+    outer = [d for d in range(len(info.shape)) if d != bdim and info.stride[d] >= bstride]
+    expected = 1
+    for d in reversed(inner):
+        if info.shape[d] > 1 and info.stride[d] != expected:
+            raise ConfigError(
+                f"KV tensor {info.name} shape {info.shape} stride {info.stride} is not "
+                "block-contiguous; cannot describe its blocks as byte segments"
+            )
+        expected *= info.shape[d]
+    seg_elems = math.prod(info.shape[d] for d in inner)
+    if seg_elems > bstride:
+        raise ConfigError(f"KV tensor {info.name}: blocks overlap (stride {info.stride})")
+    esz = info.element_size
+    offsets = [0]
+    for d in outer:
+        offsets = [o + i * info.stride[d] for o in offsets for i in range(info.shape[d])]
+    return [
+        Region(
+            base=info.data_ptr + off * esz,
+            block_stride=bstride * esz,
+            seg_len=seg_elems * esz,
+            num_blocks=num_blocks,
+        )
+        for off in offsets
+    ]
+
+
+def build_layout(
+    tensors: Sequence[TensorInfo],
+    num_blocks: int,
+    block_size: int,
+    block_dim: int | None = None,
+) -> KVLayout:
+    """Layout of a whole KV cache; tensors in layer order. Tensors sharing storage are kept once."""
+    if not tensors:
+        raise ConfigError("no KV cache tensors were registered")
+    regions: list[Region] = []
+    seen: set[tuple[int, int, int]] = set()
+    for info in tensors:
+        for region in regions_of_tensor(info, num_blocks, block_dim):
+            key = (region.base, region.block_stride, region.seg_len)
+            if key not in seen:
+                seen.add(key)
+                regions.append(region)
+    return KVLayout(num_blocks=num_blocks, block_size=block_size, regions=tuple(regions))

@@ -1,0 +1,25 @@
+"""vLLM plugin entry point: registers our connector names with vLLM's KV connector factory (idempotent)."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+# Our names never collide with vLLM's built-ins (NixlConnector, MooncakeConnector, ...).
+CONNECTORS: dict[str, tuple[str, str]] = {
+    "KvcNixlConnector": ("kv_connectors.nixl", "NixlConnector"),
+}
+
+
+def register() -> None:
+    """Called once per vLLM process (API server, EngineCore, Worker); safe to call again."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for name, (module, cls) in CONNECTORS.items():
+        if name in KVConnectorFactory._registry:
+            continue
+        try:
+            KVConnectorFactory.register_connector(name, module, cls)
+        except ValueError:  # registered concurrently or by an older copy of this plugin
+            logger.debug("connector %s already registered", name)

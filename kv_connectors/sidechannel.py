@@ -1,0 +1,117 @@
+"""Side channel: a pyzmq server on P answering handshakes and stats, and a client with deadlines."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from kv_connectors import wire
+from kv_connectors.errors import HandshakeError, IncompatiblePeerError, KVConnectorError, SideChannelBindError
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[wire.Body], wire.Body]
+
+_POLL_MS = 100
+
+
+def endpoint(host: str, port: int) -> str:
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{port}"
+
+
+class SideChannelServer:
+    """A ROUTER socket on its own thread; each request frame is answered by handler(body).
+
+    Binding happens in the constructor so that a port in use fails start-up at once.
+    """
+
+    def __init__(self, host: str, port: int, compat_hash: str, handler: Handler) -> None:
+        self._compat_hash = compat_hash
+        self._handler = handler
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        self.address = endpoint(host, port)
+        try:
+            self._sock.bind(self.address)
+        except zmq.ZMQError as e:
+            self._sock.close(0)
+            self._ctx.term()
+            raise SideChannelBindError(
+                f"cannot listen on side channel {self.address}: {e.strerror}. Another process "
+                "(perhaps a second vLLM instance) uses this port: set a free "
+                "kv_connector_extra_config['side_channel_port'] for each instance"
+            ) from e
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvc-sidechannel", daemon=True)
+        self._thread.start()
+        logger.info("side channel listening on %s", self.address)
+
+    def _answer(self, frame: bytes) -> bytes:
+        try:
+            body = wire.decode(frame, expected_hash=None)
+            reply = self._handler(body)
+        except KVConnectorError as e:
+            reply = wire.ErrorReply("bad_request", str(e))
+        except Exception as e:  # a bug must not kill the listener thread (vLLM's built-in hangs then)
+            logger.exception("side channel handler failed")
+            reply = wire.ErrorReply("internal", f"{type(e).__name__}: {e}")
+        return wire.encode(reply, self._compat_hash)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(_POLL_MS):
+                    continue
+                ident, _empty, frame = self._sock.recv_multipart()
+                self._sock.send_multipart([ident, b"", self._answer(frame)])
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    break
+                logger.exception("side channel socket error")
+            except ValueError:
+                logger.warning("side channel: dropped a request with unexpected framing")
+        self._sock.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * _POLL_MS / 1000 + 1)
+        self._ctx.term()
+
+
+def request(host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float) -> wire.Body:
+    """One request/reply with a deadline; ErrorReply answers become typed errors."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    address = endpoint(host, port)
+    try:
+        sock.connect(address)
+        sock.send(wire.encode(body, compat_hash))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise HandshakeError(f"no answer from side channel {address} within {timeout_s:g} s (peer down?)")
+        reply = wire.decode(sock.recv(), expected_hash=compat_hash if compat_hash else None)
+    except zmq.ZMQError as e:
+        raise HandshakeError(f"side channel {address}: {e.strerror}") from e
+    finally:
+        sock.close(0)
+    if isinstance(reply, wire.ErrorReply):
+        cls = IncompatiblePeerError if reply.code == "incompatible" else HandshakeError
+        raise cls(f"peer at {address} refused: {reply.message}")
+    return reply
+
+
+def query_stats(host: str, port: int, timeout_s: float = 5.0) -> wire.StatsReply:
+    """Ask a producer's side channel how many KV blocks it holds for peers (ops and tests)."""
+    reply = request(host, port, wire.StatsRequest(), "", timeout_s)
+    if not isinstance(reply, wire.StatsReply):
+        raise HandshakeError(f"unexpected answer to stats: {type(reply).__name__}")
+    return reply

@@ -1,0 +1,66 @@
+"""The transport Protocol every engine (NIXL, Mooncake) implements; errors map to kv_connectors.errors."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+from kv_connectors.layout import KVLayout
+from kv_connectors.plan import TransferPlan
+
+
+class XferState(enum.Enum):
+    """State of one posted transfer, as seen by its initiator."""
+
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+
+
+class MemoryKind(enum.Enum):
+    """Where the registered KV cache lives."""
+
+    HOST = "host"
+    DEVICE = "device"
+
+
+class Transport(Protocol):
+    """Moves planned byte runs between this process's registered KV cache and a connected peer's.
+
+    Every method raises only kv_connectors.errors types (TransportError and subclasses).
+    Not thread-safe: one thread drives a transport.
+    """
+
+    name: str  # this agent's unique name (peers address us by it)
+
+    def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
+        """Register every region of the layout with the engine."""
+
+    def local_metadata(self) -> bytes:
+        """Opaque bytes a peer needs to connect to us (sent in the handshake)."""
+
+    def connect(self, peer_name: str, peer_metadata: bytes) -> None:
+        """Make a peer known; connecting an already known name replaces it (restarted peer)."""
+
+    def disconnect(self, peer_name: str) -> None:
+        """Forget a peer; unknown names are ignored."""
+
+    def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> Any:
+        """Start copying plan.src (peer memory) into plan.dst (ours); notif reaches the peer when done."""
+
+    def post_write(self, peer_name: str, plan: TransferPlan, notif: bytes) -> Any:
+        """Start copying plan.src (ours) into plan.dst (peer memory); notif reaches the peer when done."""
+
+    def poll(self, handle: Any) -> XferState:
+        """Progress of a posted transfer; raises PeerDisconnectedError / TransportError on failure."""
+
+    def release(self, handle: Any) -> None:
+        """Free a handle; aborts the transfer if it is still in progress. Never raises."""
+
+    def send_notif(self, peer_name: str, msg: bytes) -> None:
+        """Send a small message to a connected peer (no data transfer)."""
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """Messages received since the last call, as (peer name, message)."""
+
+    def close(self) -> None:
+        """Deregister memory and release the engine. Never raises."""

@@ -1,0 +1,1 @@
+"""Host adapter: the only package that imports vLLM."""

@@ -1,0 +1,87 @@
+"""Every vLLM import and version difference (0.32 vs 0.33) in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.request import RequestStatus
+
+try:  # 0.32 and 0.33 both have it; older releases only know get_finished().
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - depends on the installed vLLM
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    P2P_HIT_SOURCE: Any = CacheHitSource.P2P
+except ImportError:  # pragma: no cover
+    P2P_HIT_SOURCE = None
+
+VLLM_VERSION: str = vllm.__version__
+
+# A prefill request that produced its token normally; anything else (abort, error) frees at once.
+FINISHED_NORMALLY = frozenset({RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED})
+
+
+def transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> Any:
+    """Build what get_transfer_results returns on this vLLM."""
+    return KVConnectorTransferResults(
+        finished_sending=finished_sending,
+        finished_recving=finished_recving,
+        failed_recving=failed_recving,
+    )
+
+
+def num_kv_cache_groups(kv_cache_config: Any) -> int:
+    return len(kv_cache_config.kv_cache_groups)
+
+
+def unhashed_block_ids(blocks: Any) -> list[int]:
+    """Blocks allocated for this load (not local prefix-cache hits), single KV cache group."""
+    return [
+        b.block_id
+        for b in blocks.blocks[0]
+        if b.block_hash is None and not getattr(b, "is_null", False)
+    ]
+
+
+def model_facts(vllm_config: Any) -> dict[str, Any]:
+    """Model properties that go into the compatibility hash (not the path: copies of a model match)."""
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    archs = getattr(mc.hf_config, "architectures", None) or ["unknown"]
+    return {
+        "architecture": str(archs[0]),
+        "num_layers": int(mc.get_total_num_hidden_layers() if hasattr(mc, "get_total_num_hidden_layers") else hf.num_hidden_layers),
+        "hidden_size": int(mc.get_hidden_size()),
+        "num_kv_heads": int(mc.get_total_num_kv_heads()),
+        "head_size": int(mc.get_head_size()),
+        "vocab_size": int(mc.get_vocab_size()),
+        "dtype": str(vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto" else mc.dtype),
+        "block_size": int(vllm_config.cache_config.block_size),
+    }
+
+
+__all__ = [
+    "FINISHED_NORMALLY",
+    "KVConnectorBase_V1",
+    "KVConnectorFactory",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "P2P_HIT_SOURCE",
+    "SupportsHMA",
+    "VLLM_VERSION",
+    "model_facts",
+    "num_kv_cache_groups",
+    "transfer_results",
+    "unhashed_block_ids",
+]

@@ -1,0 +1,119 @@
+"""The vLLM-facing connector class: one KVConnectorBase_V1 that delegates to its scheduler or worker side."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import torch
+
+from kv_connectors.config import ConnectorConfig, parse_config
+from kv_connectors.errors import ConfigError
+from kv_connectors.layout import TensorInfo, build_layout
+from kv_connectors.transport import Transport
+from kv_connectors.vllm import compat
+from kv_connectors.vllm.metadata import ConnectorMetadata
+from kv_connectors.vllm.scheduler import SchedulerSide
+from kv_connectors.vllm.worker import WorkerSide
+from kv_connectors.wire import CompatInfo
+
+logger = logging.getLogger(__name__)
+
+
+def tensor_info(name: str, t: torch.Tensor) -> TensorInfo:
+    return TensorInfo(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
+
+
+class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
+    """Base of our connectors; a subclass names its transport by overriding make_transport."""
+
+    transport_name: ClassVar[str] = "abstract"
+    _cache_hit_source = compat.P2P_HIT_SOURCE or compat.KVConnectorBase_V1._cache_hit_source
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kvt = vllm_config.kv_transfer_config
+        self._cfg: ConnectorConfig = parse_config(kvt.engine_id, kvt.kv_role, kvt.kv_connector_extra_config)
+        if kv_cache_config is not None and compat.num_kv_cache_groups(kv_cache_config) != 1:
+            raise ConfigError(
+                f"{type(self).__name__} supports models with one KV cache group; this model has "
+                f"{compat.num_kv_cache_groups(kv_cache_config)} (hybrid attention is not supported yet)"
+            )
+        self._block_size = int(vllm_config.cache_config.block_size)
+        rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == compat.KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.side_channel_port_for_rank(0))
+        else:
+            self._worker = WorkerSide(self._cfg, rank, self.make_transport)
+        logger.info(
+            "%s (%s) role=%s engine=%s side channel %s:%d",
+            type(self).__name__, self.transport_name, self._cfg.role.value, self._cfg.engine_id,
+            self._cfg.side_channel_host, self._cfg.side_channel_port_for_rank(rank),
+        )
+
+    def make_transport(self, name: str) -> Transport:
+        raise NotImplementedError
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side method called on the scheduler connector"
+        return self._worker
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        assert self._sched is not None, "scheduler-side method called on the worker connector"
+        return self._sched
+
+    # worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        infos = [tensor_info(name, t) for name, t in kv_caches.items()]
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        layout = build_layout(infos, num_blocks, self._block_size)
+        facts = compat.model_facts(self._vllm_config)
+        compat_info = CompatInfo(layout=layout.shape_signature(), **facts)
+        self.worker_side.register(layout, compat_info)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata if isinstance(self._connector_metadata, ConnectorMetadata) else None
+        self.worker_side.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete between steps (asynchronous), never inside the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pull mode: D reads the blocks once P's request has finished
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        sending, recving, failed = self.worker_side.take_results()
+        return compat.transfer_results(sending, recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _failed = self.worker_side.take_results()
+        return sending or None, recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # scheduler side ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, list(block_ids[0]) if block_ids else [])

@@ -1,0 +1,121 @@
+"""Scheduler side of the connector: decides what each request loads or hands off, and builds metadata."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kv_connectors.config import ConnectorConfig
+from kv_connectors.errors import TransferParamsError
+from kv_connectors.params import (
+    RemotePrefill,
+    parse_remote_prefill,
+    producer_params,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+from kv_connectors.plan import blocks_for_tokens
+from kv_connectors.vllm.compat import FINISHED_NORMALLY, unhashed_block_ids
+from kv_connectors.vllm.metadata import ConnectorMetadata, RecvSpec
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    """Runs in the EngineCore process; never blocks and never raises for a single bad request."""
+
+    def __init__(self, cfg: ConnectorConfig, block_size: int, rank_port: int) -> None:
+        self._cfg = cfg
+        self._block_size = block_size
+        self._port = rank_port
+        # Parsed params (or the reason they are bad) of requests that asked for a remote prefill.
+        self._pending: dict[str, RemotePrefill | TransferParamsError] = {}
+        self._consumed: set[str] = set()  # loaded once: never load again (e.g. after preemption)
+        self._meta = ConnectorMetadata()
+
+    # D side ---------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        params = request.kv_transfer_params
+        if rid in self._consumed or not wants_remote_prefill(params):
+            return 0, False
+        if rid not in self._pending:
+            self._pending[rid] = self._parse(request, params)
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        # A bad request still goes the asynchronous way so that the worker can fail it cleanly.
+        return (count, True) if count > 0 else (0, False)
+
+    def _parse(self, request: Any, params: Any) -> RemotePrefill | TransferParamsError:
+        try:
+            rp = parse_remote_prefill(params)
+        except TransferParamsError as e:
+            logger.error("request %s: %s", request.request_id, e)
+            return e
+        num_prompt = len(request.prompt_token_ids or ())
+        if rp.remote_num_tokens is not None and rp.remote_num_tokens != num_prompt:
+            err = TransferParamsError(
+                f"prefill had {rp.remote_num_tokens} prompt tokens, this request has {num_prompt}: "
+                "the decode request must carry the same prompt as the prefill request"
+            )
+            logger.error("request %s: %s", request.request_id, err)
+            return err
+        if len(rp.remote_block_ids) < blocks_for_tokens(num_prompt, self._block_size):
+            err = TransferParamsError(
+                f"remote_block_ids has {len(rp.remote_block_ids)} blocks, the prompt needs "
+                f"{blocks_for_tokens(num_prompt, self._block_size)}"
+            )
+            logger.error("request %s: %s", request.request_id, err)
+            return err
+        return rp
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        parsed = self._pending.pop(rid, None)
+        if parsed is None:
+            return
+        self._consumed.add(rid)
+        if isinstance(parsed, TransferParamsError):
+            if num_external_tokens > 0:
+                self._meta.reqs_failed[rid] = str(parsed)
+            return
+        if num_external_tokens == 0:
+            # Every block is a local prefix hit: nothing to read, but P must free its copy.
+            self._release(rid, parsed)
+            return
+        local = unhashed_block_ids(blocks)
+        remote = parsed.remote_block_ids[len(parsed.remote_block_ids) - len(local) :]
+        self._meta.reqs_to_recv[rid] = RecvSpec(
+            peer_key=parsed.peer_key,
+            remote_request_id=parsed.remote_request_id,
+            local_block_ids=tuple(local),
+            remote_block_ids=tuple(remote),
+        )
+
+    def _release(self, rid: str, parsed: RemotePrefill) -> None:
+        self._meta.reqs_to_recv[rid] = RecvSpec(parsed.peer_key, parsed.remote_request_id, (), (), report=False)
+
+    # P side and both -----------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
+        meta, self._meta = self._meta, ConnectorMetadata()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._consumed.discard(rid)
+        parsed = self._pending.pop(rid, None)
+        if isinstance(parsed, RemotePrefill):
+            # D request finished before it was scheduled (abort): P must not hold its blocks.
+            self._release(rid, parsed)
+            return False, None
+        params = request.kv_transfer_params
+        if not wants_remote_decode(params) or request.status not in FINISHED_NORMALLY or not block_ids:
+            return False, None
+        self._meta.reqs_to_send[rid] = len(block_ids)
+        return True, producer_params(
+            block_ids=block_ids,
+            engine_id=self._cfg.engine_id,
+            request_id=rid,
+            host=self._cfg.side_channel_host,
+            port=self._port,
+            num_tokens=request.num_prompt_tokens,
+        )

@@ -1,0 +1,158 @@
+"""Every byte that crosses a process boundary: versioned msgspec Structs, decoded in two steps (header first)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from kv_connectors.errors import HandshakeError, IncompatiblePeerError
+from kv_connectors.layout import KVLayout, Region
+
+WIRE_VERSION = 1
+
+
+class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What two peers must agree on to exchange KV blocks; hashed into the compatibility hash."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    dtype: str
+    block_size: int
+    layout: tuple[int, ...]  # KVLayout.shape_signature()
+    wire_version: int = WIRE_VERSION
+
+    def hash(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
+
+    def diff(self, other: CompatInfo) -> str:
+        """Human-readable list of the fields that differ (for error messages)."""
+        parts = [
+            f"{f}: ours={getattr(self, f)!r} peer={getattr(other, f)!r}"
+            for f in self.__struct_fields__
+            if getattr(self, f) != getattr(other, f)
+        ]
+        return "; ".join(parts) or "no field differs"
+
+
+class Header(msgspec.Struct, frozen=True, array_like=True):
+    """Decoded first: version and compatibility are checked before the body is touched."""
+
+    wire_version: int
+    compat_hash: str
+    kind: str
+
+
+class RegionMsg(msgspec.Struct, frozen=True, array_like=True):
+    base: int
+    block_stride: int
+    seg_len: int
+
+
+class LayoutMsg(msgspec.Struct, frozen=True):
+    num_blocks: int
+    block_size: int
+    regions: list[RegionMsg]
+
+    @classmethod
+    def from_layout(cls, layout: KVLayout) -> LayoutMsg:
+        return cls(
+            layout.num_blocks,
+            layout.block_size,
+            [RegionMsg(r.base, r.block_stride, r.seg_len) for r in layout.regions],
+        )
+
+    def to_layout(self) -> KVLayout:
+        regions = tuple(Region(r.base, r.block_stride, r.seg_len, self.num_blocks) for r in self.regions)
+        return KVLayout(self.num_blocks, self.block_size, regions)
+
+
+class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake"):
+    engine_id: str
+    rank: int
+    compat: CompatInfo
+
+
+class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    layout: LayoutMsg
+
+
+class StatsRequest(msgspec.Struct, frozen=True, tag="stats"):
+    pass
+
+
+class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply"):
+    engine_id: str
+    held_requests: int
+    held_blocks: int
+    completed_sends: int
+    expired_leases: int
+    recv_transfers: int = 0
+    recv_failures: int = 0
+    recv_bytes: int = 0
+    recv_blocks: int = 0
+    recv_descriptors: int = 0
+    recv_seconds: float = 0.0
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
+    code: str  # "incompatible" | "bad_request" | "not_ready"
+    message: str
+
+
+class TransferDone(msgspec.Struct, frozen=True, tag="done"):
+    """D -> P notification: the blocks of P's request are no longer needed (read, or abandoned)."""
+
+    request_id: str
+    engine_id: str
+
+
+Body = HandshakeRequest | HandshakeReply | StatsRequest | StatsReply | ErrorReply | TransferDone
+
+# Message kinds that carry no compatibility check (monitoring tools do not know the hash).
+_UNCHECKED = {"stats", "stats_reply", "error"}
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(tuple[Header, msgspec.Raw])
+_body_decoder = msgspec.msgpack.Decoder(Body)
+
+
+def encode(body: Body, compat_hash: str) -> bytes:
+    """One frame: (header, body)."""
+    kind = type(body).__struct_config__.tag
+    return _encoder.encode((Header(WIRE_VERSION, compat_hash, kind), body))
+
+
+def decode(frame: bytes, expected_hash: str | None) -> Body:
+    """Check version and hash from the header, then decode the body.
+
+    expected_hash None accepts any hash (the receiver checks it itself, e.g. to explain a mismatch).
+    """
+    try:
+        header, raw = _header_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandshakeError(f"malformed message: {e}") from e
+    if header.wire_version != WIRE_VERSION:
+        raise IncompatiblePeerError(
+            f"peer speaks wire version {header.wire_version}, we speak {WIRE_VERSION}; "
+            "upgrade both sides to the same kv-connectors release"
+        )
+    if expected_hash is not None and header.kind not in _UNCHECKED and header.compat_hash != expected_hash:
+        raise IncompatiblePeerError(
+            f"peer compatibility hash {header.compat_hash} differs from ours {expected_hash} "
+            "(model, dtype, KV layout or block size differ)"
+        )
+    try:
+        body = _body_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandshakeError(f"malformed {header.kind!r} message: {e}") from e
+    if type(body).__struct_config__.tag != header.kind:
+        raise HandshakeError(f"header kind {header.kind!r} does not match body")
+    return body

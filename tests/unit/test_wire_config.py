@@ -1,0 +1,123 @@
+"""Wire format (round trip, version and hash checks), config parsing, params parsing and leases."""
+
+import msgspec
+import pytest
+
+from kv_connectors import wire
+from kv_connectors.config import VALID_KEYS, Role, TransferMode, parse_config
+from kv_connectors.errors import ConfigError, HandshakeError, IncompatiblePeerError, TransferParamsError
+from kv_connectors.layout import KVLayout, Region
+from kv_connectors.params import parse_remote_prefill, producer_params
+from kv_connectors.state import SendLeases
+
+COMPAT = wire.CompatInfo(
+    architecture="LlamaForCausalLM", num_layers=2, hidden_size=128, num_kv_heads=2, head_size=32,
+    vocab_size=1024, dtype="torch.float32", block_size=32, layout=(32, 2, 16384, 16384),
+)
+
+
+def test_round_trip_every_message():
+    layout = KVLayout(8, 32, (Region(4096, 512, 512, 8), Region(1 << 40, 1024, 512, 8)))
+    msgs = [
+        wire.HandshakeRequest("d-engine", 0, COMPAT),
+        wire.HandshakeReply("p", "agent", b"\x00\x01meta", wire.LayoutMsg.from_layout(layout)),
+        wire.StatsRequest(),
+        wire.StatsReply("p", 1, 2, 3, 4, recv_bytes=5),
+        wire.ErrorReply("incompatible", "x"),
+        wire.TransferDone("req-1", "d"),
+    ]
+    for m in msgs:
+        assert wire.decode(wire.encode(m, COMPAT.hash()), COMPAT.hash()) == m
+    back = msgs[1].layout.to_layout()
+    assert back == layout
+
+
+def test_hash_mismatch_is_refused_before_the_body():
+    other = msgspec.structs.replace(COMPAT, num_layers=8)
+    assert other.hash() != COMPAT.hash()
+    frame = wire.encode(wire.TransferDone("r", "e"), other.hash())
+    with pytest.raises(IncompatiblePeerError, match="compatibility hash"):
+        wire.decode(frame, COMPAT.hash())
+    assert "num_layers: ours=2 peer=8" in COMPAT.diff(other)
+
+
+def test_wire_version_mismatch():
+    frame = msgspec.msgpack.encode((wire.Header(wire.WIRE_VERSION + 1, COMPAT.hash(), "done"), {"x": 1}))
+    with pytest.raises(IncompatiblePeerError, match="wire version"):
+        wire.decode(frame, COMPAT.hash())
+
+
+def test_garbage_and_mismatched_kind():
+    with pytest.raises(HandshakeError):
+        wire.decode(b"\xff\x00garbage", None)
+    frame = msgspec.msgpack.encode((wire.Header(wire.WIRE_VERSION, "h", "stats"), wire.TransferDone("r", "e")))
+    with pytest.raises(HandshakeError, match="does not match"):
+        wire.decode(frame, None)
+
+
+def test_compat_hash_ignores_nothing_it_covers():
+    for field, value in [("dtype", "torch.bfloat16"), ("block_size", 64), ("num_kv_heads", 4), ("layout", (1,))]:
+        assert msgspec.structs.replace(COMPAT, **{field: value}).hash() != COMPAT.hash()
+
+
+def test_config_defaults_and_values():
+    cfg = parse_config("e1", "kv_producer", {"side_channel_port": 6000, "lease_s": 2})
+    assert cfg.role is Role.PRODUCER and cfg.side_channel_port == 6000 and cfg.lease_s == 2.0
+    assert cfg.mode is TransferMode.PULL and cfg.side_channel_host == "127.0.0.1"
+    assert parse_config("e", "kv_consumer", None).role.consumes
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"sidechannel_port": 1}, "unknown kv_connector_extra_config key.*sidechannel_port.*valid keys"),
+        ({"side_channel_port": 0}, "side_channel_port"),
+        ({"side_channel_port": "5600"}, "side_channel_port"),
+        ({"lease_s": -1}, "lease_s.*positive"),
+        ({"lease_s": True}, "lease_s"),
+        ({"mode": "teleport"}, "mode.*pull"),
+        ({"nixl_backend": "GDS"}, "nixl_backend.*UCX"),
+        ({"progress_delay_us": -5}, "progress_delay_us"),
+        ({"side_channel_host": ""}, "side_channel_host"),
+    ],
+)
+def test_config_errors_name_the_key(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config("e", "kv_producer", extra)
+
+
+def test_bad_role():
+    with pytest.raises(ConfigError, match="kv_role must be one of"):
+        parse_config("e", "prefill", {})
+    assert "lease_s" in VALID_KEYS
+
+
+def test_params_round_trip_and_errors():
+    good = producer_params(block_ids=[3, 4], engine_id="p", request_id="r", host="127.0.0.1", port=5710, num_tokens=40)
+    rp = parse_remote_prefill(good)
+    assert rp.remote_block_ids == (3, 4) and rp.peer_key == ("p", "127.0.0.1", 5710)
+    bad_cases = [
+        ({**good, "remote_block_ids": "3,4"}, "remote_block_ids"),
+        ({**good, "remote_block_ids": []}, "remote_block_ids"),
+        ({**good, "remote_block_ids": [1, -2]}, "remote_block_ids"),
+        ({**good, "remote_port": "5710"}, "remote_port"),
+        ({k: v for k, v in good.items() if k != "remote_engine_id"}, "lacks remote_engine_id"),
+        ({**good, "remote_num_tokens": 0}, "remote_num_tokens"),
+    ]
+    for params, match in bad_cases:
+        with pytest.raises(TransferParamsError, match=match):
+            parse_remote_prefill(params)
+
+
+def test_leases_complete_expire_and_early_notices():
+    leases = SendLeases()
+    leases.add("a", 3, now=0.0, lease_s=10)
+    leases.add("b", 2, now=0.0, lease_s=10)
+    assert (leases.held_requests, leases.held_blocks) == (2, 5)
+    leases.notice("a", now=1.0)
+    leases.notice("c", now=1.0)  # before P's worker heard of c
+    assert leases.take_finished(2.0) == ({"a"}, set())
+    leases.add("c", 4, now=2.0, lease_s=10)
+    assert leases.take_finished(3.0) == ({"c"}, set())
+    assert leases.take_finished(10.5) == (set(), {"b"})
+    assert (leases.held_requests, leases.held_blocks, leases.completed, leases.expired) == (0, 0, 2, 1)
