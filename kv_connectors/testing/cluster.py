@@ -1,0 +1,148 @@
+"""A 1P1D disaggregated set-up on this host (P, D, proxy, optional colocated reference) for demo, tests, benchmarks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kv_connectors import sidechannel, wire
+from kv_connectors.testing.procs import ManagedProcess, VllmServer, free_port
+
+logger = logging.getLogger(__name__)
+
+PROXY_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "proxy.py"
+
+# The two ways users load our connector: vLLM's module-path form and our entry-point name.
+MODULE_FORM = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kv_connectors.nixl"}
+ENTRY_POINT_FORM = {"kv_connector": "KvcNixlConnector"}
+
+
+def kv_transfer_config(
+    role: str, side_channel_port: int, *, form: Mapping[str, str] = MODULE_FORM, **extra: Any
+) -> str:
+    """The --kv-transfer-config JSON for one instance."""
+    cfg = dict(form)
+    cfg["kv_role"] = role
+    cfg["kv_connector_extra_config"] = {"side_channel_port": side_channel_port, **extra}
+    return json.dumps(cfg)
+
+
+def pd_server(
+    model: str | Path,
+    role: str,
+    *,
+    side_channel_port: int | None = None,
+    form: Mapping[str, str] = MODULE_FORM,
+    cpu_bind: int | None = None,
+    name: str | None = None,
+    extra_config: Mapping[str, Any] | None = None,
+    **server_kwargs: Any,
+) -> VllmServer:
+    """A vLLM server with our connector (not started)."""
+    port = side_channel_port or free_port()
+    server = VllmServer(
+        model,
+        extra_args=["--kv-transfer-config", kv_transfer_config(role, port, form=form, **dict(extra_config or {}))],
+        cpu_bind=cpu_bind,
+        name=name or role,
+        **server_kwargs,
+    )
+    server.side_channel_port = port  # type: ignore[attr-defined]
+    return server
+
+
+class ProxyProcess(ManagedProcess):
+    """examples/proxy.py as a child process."""
+
+    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int | None = None) -> None:
+        self.port = port or free_port()
+        argv = [sys.executable, str(PROXY_SCRIPT), "--port", str(self.port)]
+        for u in prefill_urls:
+            argv += ["--prefill", u]
+        for u in decode_urls:
+            argv += ["--decode", u]
+        super().__init__(argv, name=f"proxy-{self.port}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 30.0) -> ProxyProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.is_running():
+                raise RuntimeError(f"proxy exited: {self.log_tail(30)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"proxy not ready after {timeout:.0f} s: {self.log_tail(30)}")
+
+
+def make_prompts(lengths: Sequence[int], vocab_size: int = 1024, seed: int = 0) -> list[list[int]]:
+    """Deterministic token-id prompts of the given lengths (ids above the special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def generate(url: str, prompt: list[int] | str, max_tokens: int, timeout: float = 120.0, **extra: Any) -> httpx.Response:
+    """Greedy /v1/completions returning token ids; the raw response (status not checked)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+
+
+def output_ids(response: httpx.Response) -> list[int]:
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.request.url} -> {response.status_code}: {response.text[:500]}")
+    return list(response.json()["choices"][0]["token_ids"])
+
+
+def prefill(p_url: str, prompt: list[int] | str, timeout: float = 120.0) -> dict[str, Any]:
+    """What the proxy does first: a 1-token request to P asking it to keep the KV for a D."""
+    r = generate(
+        p_url, prompt, 1, timeout=timeout,
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+    )
+    if r.status_code != 200:
+        raise RuntimeError(f"prefill -> {r.status_code}: {r.text[:500]}")
+    params = r.json().get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"prefill answered without kv_transfer_params: {r.text[:500]}")
+    return params
+
+
+def stats(server: VllmServer, timeout_s: float = 5.0) -> wire.StatsReply:
+    """Our connector's counters on one server (via its side channel)."""
+    return sidechannel.query_stats("127.0.0.1", server.side_channel_port, timeout_s)  # type: ignore[attr-defined]
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll predicate() until truthy; raise AssertionError naming what was awaited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples on a vLLM server's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
