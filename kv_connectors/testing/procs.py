@@ -1,0 +1,392 @@
+"""Child-process helpers for tests, demo and benchmarks: ports, process groups, vLLM servers."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+_PR_SET_PDEATHSIG = 1
+
+_live: set[ManagedProcess] = set()
+_live_lock = threading.Lock()
+_atexit_registered = False
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 when asked (bind to port 0)."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports; all sockets are held open together so none repeats."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _set_parent_death_signal() -> None:
+    """preexec_fn: SIGTERM the child when the (starting thread of the) parent dies (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _cleanup_all() -> None:
+    with _live_lock:
+        procs = list(_live)
+    for p in procs:
+        try:
+            p.stop(timeout=5.0)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            logger.exception("atexit: failed to stop %s", p.name)
+
+
+def _track(p: ManagedProcess, alive: bool) -> None:
+    global _atexit_registered
+    with _live_lock:
+        if alive:
+            _live.add(p)
+            if not _atexit_registered:
+                atexit.register(_cleanup_all)
+                _atexit_registered = True
+        else:
+            _live.discard(p)
+
+
+class ManagedProcess:
+    """A child started in its own process group with output to a log file; stop() kills the group.
+
+    With die_with_parent the direct child also gets SIGTERM if the thread that started it dies
+    (Linux PDEATHSIG: start long-lived children from the main thread).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        log_path: str | Path | None = None,
+        die_with_parent: bool = True,
+    ) -> None:
+        self.argv = [str(a) for a in argv]
+        self.name = name or Path(self.argv[0]).name
+        self.env = dict(env) if env is not None else None
+        self.cwd = str(cwd) if cwd is not None else None
+        self._log_path = Path(log_path) if log_path is not None else None
+        self.die_with_parent = die_with_parent
+        self._popen: subprocess.Popen[bytes] | None = None
+        self.pgid: int | None = None
+
+    @property
+    def log_path(self) -> Path:
+        if self._log_path is None:
+            fd, path = tempfile.mkstemp(prefix=f"kvc-{self.name}-", suffix=".log")
+            os.close(fd)
+            self._log_path = Path(path)
+        return self._log_path
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll() if self._popen is not None else None
+
+    def is_running(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def start(self) -> ManagedProcess:
+        if self._popen is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+                preexec_fn=_set_parent_death_signal if self.die_with_parent else None,
+            )
+        self.pgid = self._popen.pid  # session leader == group leader
+        _track(self, True)
+        logger.info("started %s pid=%d log=%s", self.name, self._popen.pid, self.log_path)
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        """Last `n` lines of the log (empty if none yet)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 256 * n))
+                data = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(data.splitlines()[-n:])
+
+    def group_alive(self) -> bool:
+        """Whether any process of the group is left (reaps our own child first)."""
+        if self.pgid is None:
+            return False
+        if self._popen is not None:
+            self._popen.poll()  # a zombie leader still counts as a group member
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def group_pids(self) -> list[int]:
+        """Pids in the process group (from /proc)."""
+        pids: list[int] = []
+        if self.pgid is None:
+            return pids
+        for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
+            try:
+                if os.getpgid(pid) == self.pgid:
+                    pids.append(pid)
+            except OSError:
+                continue
+        return pids
+
+    def group_rss_bytes(self) -> int:
+        """Sum of resident memory of the group's processes."""
+        total = 0
+        for pid in self.group_pids():
+            try:
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+        return total * os.sysconf("SC_PAGE_SIZE")
+
+    def _wait_group(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.group_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the whole group, wait `timeout`, then SIGKILL it; returns the exit code."""
+        if self._popen is None or self.pgid is None:
+            return None
+        try:
+            if self.group_alive():
+                logger.info("stopping %s (pgid %d)", self.name, self.pgid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pgid, signal.SIGTERM)
+                if not self._wait_group(timeout):
+                    logger.warning("%s ignored SIGTERM for %.0fs; SIGKILL", self.name, timeout)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.pgid, signal.SIGKILL)
+                    # orphans are reaped by init, which may take a moment
+                    if not self._wait_group(10.0):
+                        logger.error("process group %d still alive after SIGKILL", self.pgid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._popen.wait(timeout=5.0)
+        finally:
+            _track(self, False)
+        return self._popen.returncode
+
+    def __enter__(self) -> ManagedProcess:
+        if self._popen is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _source_root() -> Path | None:
+    """The checkout holding this package, if running from one (so children can import it)."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "setup.py").exists() or (root / "pyproject.toml").exists() else None
+
+
+class VllmServer(ManagedProcess):
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1, tuned for small CPU hosts.
+
+    Defaults: executor in the EngineCore process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so API
+    server + EngineCore, no worker process), OMP_NUM_THREADS=1, float32, eager, seed 0,
+    64 MiB KV via --kv-cache-memory-bytes, block 32. Measured on 2 cores (tiny model): ready
+    in ~16 s, ~1.2 GiB RSS, ~400-570 tok/s single-stream decode; multiprocessing=True: ~24 s,
+    ~1.8 GiB, slower. `cpu_bind` sets VLLM_CPU_OMP_THREADS_BIND, which vLLM only applies with
+    multiprocessing=True; `pin=True` pins the whole in-process server to those cores via
+    OMP_PLACES (measured ~2x slower for one busy server on 2 cores, so off by default).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
+        kv_cache_bytes: int = 64 * MiB,
+        max_model_len: int = 1024,
+        block_size: int = 32,
+        dtype: str = "float32",
+        seed: int = 0,
+        cpu_bind: int | str | None = None,
+        pin: bool = False,
+        omp_threads: int = 1,
+        multiprocessing: bool = False,
+        served_model_name: str | None = None,
+        name: str | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        self.model = str(model)
+        self.host = host
+        self.port = port if port is not None else free_port()
+        self.cpu_bind = cpu_bind
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", host,
+            "--port", str(self.port),
+            "--dtype", dtype,
+            "--enforce-eager",
+            "--seed", str(seed),
+            "--max-model-len", str(max_model_len),
+            "--block-size", str(block_size),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes),
+        ]  # fmt: skip
+        if served_model_name:
+            argv += ["--served-model-name", served_model_name]
+        argv += [str(a) for a in extra_args]
+        env = self.default_env(cpu_bind, omp_threads, multiprocessing, pin)
+        env.update(extra_env or {})
+        super().__init__(argv, name=name or f"vllm-{self.port}", env=env, log_path=log_path)
+
+    @staticmethod
+    def default_env(
+        cpu_bind: int | str | None = None,
+        omp_threads: int = 1,
+        multiprocessing: bool = False,
+        pin: bool = False,
+    ) -> dict[str, str]:
+        """Environment for a vLLM child: os.environ (read now) plus CPU-host settings."""
+        env = dict(os.environ)
+        # The legacy GiB knob overrides --kv-cache-memory-bytes in vLLM's CPU platform code.
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
+            OMP_NUM_THREADS=str(omp_threads),
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+        )
+        if cpu_bind is not None:
+            # vLLM honours this in its multiprocess executor only (pins the worker's OMP threads).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_bind)
+            if pin and not multiprocessing:
+                # libgomp binds the initial thread to OMP_PLACES at load, and threads inherit it:
+                # this pins the whole server (API server + EngineCore) to those cores.
+                env["OMP_PLACES"] = "{" + str(cpu_bind) + "}"
+                env["OMP_PROC_BIND"] = "true"
+        root = _source_root()
+        if root is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+            )
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def wait_ready(self, timeout: float = 180.0) -> VllmServer:
+        """Poll GET /health until 200; raise RuntimeError with the log tail on death/deadline."""
+        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if not self.is_running():
+                    raise RuntimeError(
+                        f"{self.name} exited with code {self.returncode} before becoming ready;"
+                        f" log {self.log_path}:\n{self.log_tail(60)}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        logger.info("%s ready in %.1fs", self.name, time.monotonic() - t0)
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}:\n"
+                        f"{self.log_tail(60)}"
+                    )
+                time.sleep(0.25)
+
+    def __enter__(self) -> VllmServer:
+        super().__enter__()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+
+def completion(
+    url: str,
+    prompt_or_token_ids: str | Sequence[int],
+    max_tokens: int = 16,
+    *,
+    model: str | None = None,
+    timeout: float = 120.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """POST /v1/completions greedily (temperature 0, return_token_ids); returns the JSON.
+
+    `url` is the server base URL (".../v1/completions" is appended unless already there).
+    Raises RuntimeError with the response body on a non-2xx status.
+    """
+    base = url.rstrip("/")
+    endpoint = base if base.endswith("/v1/completions") else f"{base}/v1/completions"
+    prompt: str | list[int] = (
+        prompt_or_token_ids if isinstance(prompt_or_token_ids, str) else list(prompt_or_token_ids)
+    )
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body.update({"return_token_ids": True, **({"model": model} if model else {}), **extra})
+    resp = httpx.post(endpoint, json=body, timeout=timeout)
+    if resp.status_code // 100 != 2:
+        raise RuntimeError(f"POST {endpoint} -> {resp.status_code}: {resp.text[:2000]}")
+    return resp.json()
