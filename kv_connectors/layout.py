@@ -65,12 +65,13 @@ def _find_block_dim(info: TensorInfo, num_blocks: int, block_dim: int | None) ->
             )
         return block_dim
     candidates = [d for d, size in enumerate(info.shape) if size == num_blocks]
-    if len(candidates) != 1:
+    if not candidates:
         raise ConfigError(
-            f"cannot tell the block dimension of KV tensor {info.name} shape {info.shape} "
-            f"(num_blocks={num_blocks}); pass block_dim explicitly"
+            f"no dimension of KV tensor {info.name} shape {info.shape} has num_blocks={num_blocks} entries"
         )
-    return candidates[0]
+    # Other dims may happen to equal num_blocks (e.g. 2*head_size == 128 blocks); the block dim
+    # is the outermost of them, since every known layout keeps a whole block contiguous inside it.
+    return max(candidates, key=lambda d: info.stride[d])
 
 
 def regions_of_tensor(info: TensorInfo, num_blocks: int, block_dim: int | None = None) -> list[Region]:

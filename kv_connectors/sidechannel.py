@@ -104,8 +104,9 @@ def request(host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: 
     finally:
         sock.close(0)
     if isinstance(reply, wire.ErrorReply):
-        cls = IncompatiblePeerError if reply.code == "incompatible" else HandshakeError
-        raise cls(f"peer at {address} refused: {reply.message}")
+        if reply.code == "incompatible":
+            raise IncompatiblePeerError(f"incompatible peer (server) at {address}: {reply.message}")
+        raise HandshakeError(f"peer at {address} refused: {reply.message}")
     return reply
 
 

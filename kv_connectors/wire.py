@@ -29,10 +29,10 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     def hash(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
 
-    def diff(self, other: CompatInfo) -> str:
+    def diff(self, other: CompatInfo, mine: str = "ours", theirs: str = "peer") -> str:
         """Human-readable list of the fields that differ (for error messages)."""
         parts = [
-            f"{f}: ours={getattr(self, f)!r} peer={getattr(other, f)!r}"
+            f"{f}: {mine}={getattr(self, f)!r} {theirs}={getattr(other, f)!r}"
             for f in self.__struct_fields__
             if getattr(self, f) != getattr(other, f)
         ]

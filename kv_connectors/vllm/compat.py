@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import vllm
@@ -30,6 +31,18 @@ VLLM_VERSION: str = vllm.__version__
 
 # A prefill request that produced its token normally; anything else (abort, error) frees at once.
 FINISHED_NORMALLY = frozenset({RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED})
+
+
+def share_vllm_logging() -> None:
+    """Route our loggers through vLLM's handlers (vLLM configures only the "vllm" logger). Idempotent."""
+    ours = logging.getLogger("kv_connectors")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
 
 
 def transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> Any:
@@ -82,6 +95,7 @@ __all__ = [
     "VLLM_VERSION",
     "model_facts",
     "num_kv_cache_groups",
+    "share_vllm_logging",
     "transfer_results",
     "unhashed_block_ids",
 ]

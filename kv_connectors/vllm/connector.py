@@ -32,6 +32,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.share_vllm_logging()
         kvt = vllm_config.kv_transfer_config
         self._cfg: ConnectorConfig = parse_config(kvt.engine_id, kvt.kv_role, kvt.kv_connector_extra_config)
         if kv_cache_config is not None and compat.num_kv_cache_groups(kv_cache_config) != 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -21,6 +22,14 @@ from kv_connectors.vllm.metadata import ConnectorMetadata, RecvSpec
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parsed:
+    """A D request's params: P's address when usable, and what is wrong with them, if anything."""
+
+    remote: RemotePrefill | None
+    error: TransferParamsError | None
+
+
 class SchedulerSide:
     """Runs in the EngineCore process; never blocks and never raises for a single bad request."""
 
@@ -29,7 +38,7 @@ class SchedulerSide:
         self._block_size = block_size
         self._port = rank_port
         # Parsed params (or the reason they are bad) of requests that asked for a remote prefill.
-        self._pending: dict[str, RemotePrefill | TransferParamsError] = {}
+        self._pending: dict[str, _Parsed] = {}
         self._consumed: set[str] = set()  # loaded once: never load again (e.g. after preemption)
         self._meta = ConnectorMetadata()
 
@@ -45,28 +54,29 @@ class SchedulerSide:
         # A bad request still goes the asynchronous way so that the worker can fail it cleanly.
         return (count, True) if count > 0 else (0, False)
 
-    def _parse(self, request: Any, params: Any) -> RemotePrefill | TransferParamsError:
+    def _parse(self, request: Any, params: Any) -> _Parsed:
+        """Params checked against the request; a bad request keeps P's address when it is usable,
+        so that P can still be told to free its blocks."""
         try:
             rp = parse_remote_prefill(params)
         except TransferParamsError as e:
-            logger.error("request %s: %s", request.request_id, e)
-            return e
+            logger.debug("request %s: %s", request.request_id, e)
+            return _Parsed(None, e)
         num_prompt = len(request.prompt_token_ids or ())
+        needed = blocks_for_tokens(num_prompt, self._block_size)
+        error = None
         if rp.remote_num_tokens is not None and rp.remote_num_tokens != num_prompt:
-            err = TransferParamsError(
+            error = TransferParamsError(
                 f"prefill had {rp.remote_num_tokens} prompt tokens, this request has {num_prompt}: "
                 "the decode request must carry the same prompt as the prefill request"
             )
-            logger.error("request %s: %s", request.request_id, err)
-            return err
-        if len(rp.remote_block_ids) < blocks_for_tokens(num_prompt, self._block_size):
-            err = TransferParamsError(
-                f"remote_block_ids has {len(rp.remote_block_ids)} blocks, the prompt needs "
-                f"{blocks_for_tokens(num_prompt, self._block_size)}"
+        elif len(rp.remote_block_ids) != needed:
+            error = TransferParamsError(
+                f"remote_block_ids has {len(rp.remote_block_ids)} blocks, the prompt fills {needed}"
             )
-            logger.error("request %s: %s", request.request_id, err)
-            return err
-        return rp
+        if error is not None:
+            logger.debug("request %s: %s", request.request_id, error)
+        return _Parsed(rp, error)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -74,25 +84,29 @@ class SchedulerSide:
         if parsed is None:
             return
         self._consumed.add(rid)
-        if isinstance(parsed, TransferParamsError):
+        rp = parsed.remote
+        if parsed.error is not None:
             if num_external_tokens > 0:
-                self._meta.reqs_failed[rid] = str(parsed)
+                self._meta.reqs_failed[rid] = str(parsed.error)
+            if rp is not None:
+                self._release(rid, rp)
             return
+        assert rp is not None
         if num_external_tokens == 0:
             # Every block is a local prefix hit: nothing to read, but P must free its copy.
-            self._release(rid, parsed)
+            self._release(rid, rp)
             return
         local = unhashed_block_ids(blocks)
-        remote = parsed.remote_block_ids[len(parsed.remote_block_ids) - len(local) :]
+        remote = rp.remote_block_ids[len(rp.remote_block_ids) - len(local) :]
         self._meta.reqs_to_recv[rid] = RecvSpec(
-            peer_key=parsed.peer_key,
-            remote_request_id=parsed.remote_request_id,
+            peer_key=rp.peer_key,
+            remote_request_id=rp.remote_request_id,
             local_block_ids=tuple(local),
             remote_block_ids=tuple(remote),
         )
 
-    def _release(self, rid: str, parsed: RemotePrefill) -> None:
-        self._meta.reqs_to_recv[rid] = RecvSpec(parsed.peer_key, parsed.remote_request_id, (), (), report=False)
+    def _release(self, rid: str, rp: RemotePrefill) -> None:
+        self._meta.reqs_to_recv[rid] = RecvSpec(rp.peer_key, rp.remote_request_id, (), (), report=False)
 
     # P side and both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
@@ -103,9 +117,9 @@ class SchedulerSide:
         rid = request.request_id
         self._consumed.discard(rid)
         parsed = self._pending.pop(rid, None)
-        if isinstance(parsed, RemotePrefill):
+        if parsed is not None and parsed.remote is not None:
             # D request finished before it was scheduled (abort): P must not hold its blocks.
-            self._release(rid, parsed)
+            self._release(rid, parsed.remote)
             return False, None
         params = request.kv_transfer_params
         if not wants_remote_decode(params) or request.status not in FINISHED_NORMALLY or not block_ids:

@@ -93,8 +93,9 @@ class WorkerSide:
         if self._transport is None or self._layout is None or self._compat is None:
             return wire.ErrorReply("not_ready", "KV cache not registered yet")
         if body.compat.hash() != self._compat.hash():
-            logger.error("refused incompatible peer %s: %s", body.engine_id, self._compat.diff(body.compat))
-            return wire.ErrorReply("incompatible", self._compat.diff(body.compat))
+            diff = self._compat.diff(body.compat, mine="server", theirs="client")
+            logger.error("refused incompatible peer %s: %s", body.engine_id, diff)
+            return wire.ErrorReply("incompatible", diff)
         logger.info("handshake from engine %s rank %d", body.engine_id, body.rank)
         return wire.HandshakeReply(
             engine_id=self._cfg.engine_id,

@@ -142,8 +142,12 @@ def test_non_block_contiguous_layout_is_refused():
         build_layout([_info(bad)], 10, 4)
 
 
-def test_ambiguous_block_dim_needs_a_hint():
-    t = torch.zeros(4, 4, 8)
-    with pytest.raises(ConfigError):
-        build_layout([_info(t)], 4, 8)
-    assert build_layout([_info(t)], 4, 8, block_dim=0).regions[0].seg_len == 4 * 8 * 4
+def test_dim_equal_to_num_blocks_is_not_taken_for_the_block_dim():
+    # CPU layout where 2 * head_size == num_blocks (seen with 128 blocks and head size 64).
+    t = torch.zeros(128, 4, 32, 128)
+    layout = build_layout([_info(t)], 128, 32)
+    assert layout.regions[0].seg_len == 4 * 32 * 128 * 4
+    with pytest.raises(ConfigError, match="no dimension"):
+        build_layout([_info(t)], 7, 32)
+    with pytest.raises(ConfigError, match="not the block dim"):
+        build_layout([_info(t)], 128, 32, block_dim=1)

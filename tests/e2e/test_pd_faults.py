@@ -1,0 +1,116 @@
+"""Faults with real vLLM servers: each gives a clear error or a failed request within a deadline,
+P's blocks are always freed, and D keeps serving."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kv_connectors.testing.tiny_model import build_tiny_model
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+@pytest.fixture(scope="module")
+def scratch_prefill(tiny_model):
+    """A P for requests that go wrong, with a short lease, so the main P stays clean."""
+    server = pd_server(tiny_model, "kv_producer", name="P-scratch", max_model_len=MAX_MODEL_LEN,
+                       extra_config={"lease_s": 3})
+    with server:
+        yield server
+
+
+PROMPT = make_prompts([100], seed=3)[0]
+DEADLINE_S = 30  # D's handshake_timeout_s + transfer_timeout_s is 15 s in conftest
+
+
+def _assert_failed_quickly(decode_server, params, prompt=PROMPT):
+    d0 = stats(decode_server)
+    t0 = time.monotonic()
+    r = generate(decode_server.url, prompt, 8, kv_transfer_params=params, timeout=DEADLINE_S + 30)
+    elapsed = time.monotonic() - t0
+    assert elapsed < DEADLINE_S, f"failure took {elapsed:.1f} s"
+    failed = r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error"
+    assert failed, f"expected a failed request, got {r.status_code} {r.text[:300]}"
+    assert stats(decode_server).recv_failures == d0.recv_failures + 1
+    return r
+
+
+def _assert_decode_still_serves(reference, prefill_server, decode_server):
+    prompt = make_prompts([77], seed=11)[0]
+    params = prefill(prefill_server.url, prompt)
+    got = output_ids(generate(decode_server.url, prompt, 8, kv_transfer_params=params))
+    assert got == output_ids(generate(reference.url, prompt, 8))
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda p: {**p, "remote_block_ids": "1,2,3"}, id="block-ids-not-a-list"),
+        pytest.param(lambda p: {**p, "remote_block_ids": [10**9] * len(p["remote_block_ids"])}, id="block-id-out-of-range"),
+        pytest.param(lambda p: {**p, "remote_block_ids": p["remote_block_ids"][:1]}, id="too-few-blocks"),
+        pytest.param(lambda p: {k: v for k, v in p.items() if k != "remote_engine_id"}, id="missing-engine-id"),
+        pytest.param(lambda p: {**p, "remote_port": "x"}, id="port-not-int"),
+        pytest.param(lambda p: {**p, "remote_num_tokens": 3}, id="prompt-mismatch"),
+        pytest.param(lambda p: {**p, "remote_engine_id": "no-such-engine"}, id="wrong-engine"),
+    ],
+)
+def test_malformed_kv_transfer_params_fail_the_request(reference, prefill_server, decode_server, scratch_prefill, mutate):
+    params = prefill(scratch_prefill.url, PROMPT)
+    _assert_failed_quickly(decode_server, mutate(params))
+    _assert_decode_still_serves(reference, prefill_server, decode_server)
+    # Whatever D was sent, P's blocks are freed: by D's notice, or by the lease (3 s here).
+    wait_until(lambda: stats(scratch_prefill).held_blocks == 0, 10, "P to free the blocks")
+
+
+def test_incompatible_peer_is_refused(reference, prefill_server, decode_server):
+    other = pd_server(build_tiny_model(variant="base"), "kv_producer", name="P-other",
+                      max_model_len=MAX_MODEL_LEN)
+    with other:
+        params = prefill(other.url, PROMPT)
+        _assert_failed_quickly(decode_server, params)
+        log = decode_server.log_tail(400)
+        assert "incompatible peer" in log, "D's log does not say why"
+        assert "num_layers: server=8 client=2" in log
+        # D told P nothing it could use, so P's lease frees the blocks (checked in the lease test);
+        # D keeps serving others.
+    _assert_decode_still_serves(reference, prefill_server, decode_server)
+
+
+def test_lease_frees_blocks_when_decode_never_comes(scratch_prefill):
+    wait_until(lambda: stats(scratch_prefill).held_blocks == 0, 10, "earlier leases to end")
+    expired = stats(scratch_prefill).expired_leases
+    prefill(scratch_prefill.url, PROMPT)
+    held = stats(scratch_prefill)
+    assert held.held_requests == 1 and held.held_blocks == 4
+    wait_until(lambda: stats(scratch_prefill).held_blocks == 0, 15, "the lease to free P's blocks")
+    assert stats(scratch_prefill).expired_leases == expired + 1
+
+
+def test_producer_killed_before_decode_reads(tiny_model, reference, prefill_server, decode_server):
+    server = pd_server(tiny_model, "kv_producer", name="P-killed", max_model_len=MAX_MODEL_LEN)
+    with server:
+        params = prefill(server.url, PROMPT)
+        server.stop()
+    _assert_failed_quickly(decode_server, params)
+    _assert_decode_still_serves(reference, prefill_server, decode_server)
+
+
+def test_side_channel_port_in_use_fails_start_up(tiny_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        server = pd_server(tiny_model, "kv_producer", side_channel_port=port, name="P-busy-port",
+                           max_model_len=MAX_MODEL_LEN)
+        server.start()
+        try:
+            deadline = time.monotonic() + 180
+            while server.is_running() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert not server.is_running(), "server kept running with its side-channel port taken"
+            log = server.log_tail(200)
+            assert "side_channel_port" in log and str(port) in log, log[-2000:]
+        finally:
+            server.stop()

@@ -1,0 +1,90 @@
+"""1P1D over our NIXL connector with real vLLM servers: greedy-exact against colocated, KV really moved."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kv_connectors.testing.cluster import (
+    generate, make_prompts, metric, output_ids, pd_server, prefill, stats, wait_until,
+)
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+MAX_TOKENS = 8
+# From 1 token to near max_model_len, on and around block boundaries (block size 32).
+LENGTHS = [1, 2, 3, 7, 16, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255, 256, 257, 320, 383,
+           449, 480, MAX_MODEL_LEN - MAX_TOKENS]
+PROMPTS = make_prompts(LENGTHS, seed=1)
+
+
+def _p_released(prefill_server) -> bool:
+    return stats(prefill_server).held_blocks == 0
+
+
+def test_pd_greedy_equals_colocated_through_proxy(reference, prefill_server, decode_server, proxy):
+    p0, d0 = stats(prefill_server), stats(decode_server)
+    expected = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in PROMPTS]
+    assert len({tuple(e) for e in expected}) > len(PROMPTS) // 2, "tiny model output is near-constant"
+    got = [output_ids(generate(proxy.url, p, MAX_TOKENS)) for p in PROMPTS]
+    mismatches = [(n, e, g) for n, e, g in zip(LENGTHS, expected, got) if e != g]
+    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
+
+    d1 = stats(decode_server)
+    assert d1.recv_transfers - d0.recv_transfers == len(PROMPTS), "D did not load every prompt from P"
+    assert d1.recv_failures == d0.recv_failures
+    assert d1.recv_blocks - d0.recv_blocks >= sum(-(-n // 32) for n in LENGTHS) // 2
+    # Every block P held for D is freed once D has read it: P's counters and vLLM's own gauge.
+    wait_until(lambda: _p_released(prefill_server), 10, "P to free the blocks D read")
+    p1 = stats(prefill_server)
+    assert p1.completed_sends - p0.completed_sends == len(PROMPTS)
+    assert p1.expired_leases == p0.expired_leases
+    wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
+
+
+def test_chat_and_streaming_through_proxy(reference, proxy):
+    chat = {"messages": [{"role": "user", "content": "tell me about the garden and the paper"}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+    ref = httpx.post(f"{reference.url}/v1/chat/completions", json=chat, timeout=60).json()
+    got = httpx.post(f"{proxy.url}/v1/chat/completions", json=chat, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+    prompt = PROMPTS[15]
+    ref_text = generate(reference.url, prompt, MAX_TOKENS).json()["choices"][0]["text"]
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    text = ""
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == ref_text
+
+
+def test_prefix_cache_hit_on_decode_reads_only_the_rest(reference, prefill_server, decode_server, proxy):
+    base = make_prompts([200], seed=7)[0]
+    first, second = base + [5, 6, 7], base + [8, 9, 10, 11]  # share 6 full blocks
+    assert output_ids(generate(proxy.url, first, MAX_TOKENS)) == output_ids(generate(reference.url, first, MAX_TOKENS))
+    d0 = stats(decode_server)
+    assert output_ids(generate(proxy.url, second, MAX_TOKENS)) == output_ids(generate(reference.url, second, MAX_TOKENS))
+    d1 = stats(decode_server)
+    assert d1.recv_transfers - d0.recv_transfers == 1
+    assert d1.recv_blocks - d0.recv_blocks == 1, "D re-read blocks it had in its prefix cache"
+    wait_until(lambda: _p_released(prefill_server), 10, "P to free the blocks")
+
+
+def test_foreign_kv_changes_decode_output(reference, perturbed_model, decode_server):
+    """P with perturbed K/V weights (same compatibility hash): D's output follows P's KV."""
+    server = pd_server(perturbed_model, "kv_producer", name="P-perturbed", max_model_len=MAX_MODEL_LEN)
+    with server:
+        prompts = PROMPTS[8:16]
+        changed = 0
+        for prompt in prompts:
+            params = prefill(server.url, prompt)
+            got = output_ids(generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=params))
+            changed += got != output_ids(generate(reference.url, prompt, MAX_TOKENS))
+        # Without a transfer D would recompute and match the reference on every prompt.
+        assert changed >= len(prompts) // 2, f"only {changed}/{len(prompts)} outputs changed with foreign KV"
+        wait_until(lambda: stats(server).held_blocks == 0, 10, "perturbed P to free its blocks")
