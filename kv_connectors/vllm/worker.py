@@ -187,6 +187,7 @@ class WorkerSide:
     def _post(self, task: RecvTask, peer: _Peer) -> None:
         assert self._transport is not None and self._layout is not None and peer.layout is not None
         notif = wire.encode(wire.TransferDone(task.remote_request_id, self._cfg.engine_id), self._compat_hash)
+        started = time.monotonic()  # engines may copy inside the post call (NIXL over cma does)
         try:
             plan = plan_transfer(peer.layout, task.remote_block_ids, self._layout, task.local_block_ids)
             task.handle = self._transport.post_read(peer.agent_name, plan, notif)
@@ -195,8 +196,8 @@ class WorkerSide:
             return
         task.phase = RecvPhase.TRANSFER
         task.num_bytes, task.num_descriptors = plan.total_bytes, plan.num_runs
-        task.started = time.monotonic()
-        task.deadline = task.started + self._cfg.transfer_timeout_s
+        task.started = started
+        task.deadline = started + self._cfg.transfer_timeout_s
 
     def _advance_transfer(self, task: RecvTask, now: float) -> None:
         assert self._transport is not None
@@ -214,8 +215,9 @@ class WorkerSide:
             t.bytes += task.num_bytes
             t.blocks += len(task.local_block_ids)
             t.descriptors += task.num_descriptors
-            t.seconds += now - task.started
-            logger.debug("request %s: %d bytes in %.4f s", task.request_id, task.num_bytes, now - task.started)
+            elapsed = time.monotonic() - task.started
+            t.seconds += elapsed
+            logger.debug("request %s: %d bytes in %.6f s", task.request_id, task.num_bytes, elapsed)
         elif now > task.deadline:
             self._fail_transfer(task, KVConnectorError(f"transfer timed out after {self._cfg.transfer_timeout_s:g} s"))
 
