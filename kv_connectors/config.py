@@ -46,6 +46,7 @@ class ConnectorConfig:
     mode: TransferMode = TransferMode.PULL
     nixl_backend: str = "UCX"
     progress_delay_us: int = 1000
+    nixl_num_threads: int = 0  # 0: NIXL's default (the copy runs inside the post call)
 
     def side_channel_port_for_rank(self, rank: int) -> int:
         """Each tensor-parallel worker listens on base port + rank."""
@@ -105,6 +106,7 @@ _CHECKERS = {
     "mode": _mode,
     "nixl_backend": _choice(_NIXL_BACKENDS),
     "progress_delay_us": _non_negative_int,
+    "nixl_num_threads": _non_negative_int,
 }
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))

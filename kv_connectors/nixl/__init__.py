@@ -1,21 +1,42 @@
-"""NIXL connector for vLLM: `{"kv_connector": "NixlConnector", "kv_connector_module_path": "kv_connectors.nixl"}`."""
+"""NIXL connector for vLLM: `{"kv_connector": "NixlConnector", "kv_connector_module_path": "kv_connectors.nixl"}`.
+
+Import-light: `kv_connectors.nixl.transport` does not pull in vLLM; the connector class (which does)
+is built on first access.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kv_connectors.vllm.connector import KVConnector
-
-
-class NixlConnector(KVConnector):
-    """KV transfer over NIXL (UCX): D reads P's blocks (pull)."""
-
-    transport_name = "nixl"
-
-    def make_transport(self, name: str) -> Any:
-        from kv_connectors.nixl.transport import NixlTransport
-
-        return NixlTransport(name, backend=self._cfg.nixl_backend, progress_delay_us=self._cfg.progress_delay_us)
-
-
 __all__ = ["NixlConnector"]
+
+
+def _build_connector_class() -> type:
+    from kv_connectors.vllm.connector import KVConnector
+
+    class NixlConnector(KVConnector):
+        """KV transfer over NIXL (UCX): D reads P's blocks (pull)."""
+
+        transport_name = "nixl"
+
+        def make_transport(self, name: str) -> Any:
+            from kv_connectors.nixl.transport import NixlTransport
+
+            return NixlTransport(
+                name,
+                backend=self._cfg.nixl_backend,
+                progress_delay_us=self._cfg.progress_delay_us,
+                num_threads=self._cfg.nixl_num_threads or None,
+            )
+
+    NixlConnector.__module__ = __name__
+    NixlConnector.__qualname__ = "NixlConnector"
+    return NixlConnector
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NixlConnector":
+        cls = _build_connector_class()
+        globals()["NixlConnector"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

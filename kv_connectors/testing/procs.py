@@ -26,6 +26,7 @@ MiB = 1 << 20
 _PR_SET_PDEATHSIG = 1
 
 _live: set[ManagedProcess] = set()
+_started: list[ManagedProcess] = []
 _live_lock = threading.Lock()
 _atexit_registered = False
 
@@ -57,6 +58,12 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def started_processes() -> list[ManagedProcess]:
+    """Every ManagedProcess this interpreter started (for leak checks)."""
+    with _live_lock:
+        return list(_started)
+
+
 def _cleanup_all() -> None:
     with _live_lock:
         procs = list(_live)
@@ -72,6 +79,7 @@ def _track(p: ManagedProcess, alive: bool) -> None:
     with _live_lock:
         if alive:
             _live.add(p)
+            _started.append(p)
             if not _atexit_registered:
                 atexit.register(_cleanup_all)
                 _atexit_registered = True

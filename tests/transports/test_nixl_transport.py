@@ -1,0 +1,339 @@
+"""NixlTransport against the real NIXL engine: a peer process on 127.0.0.1, bytes verified, faults typed."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError  # noqa: E402
+from kv_connectors.layout import KVLayout  # noqa: E402
+from kv_connectors.nixl.transport import NixlTransport  # noqa: E402
+from kv_connectors.plan import plan_transfer  # noqa: E402
+from kv_connectors.transport import XferState  # noqa: E402
+
+from tests.transports import peer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+_CTX = mp.get_context("spawn")
+STARTUP_S = 60.0  # a spawned peer imports numpy and nixl: slow on a loaded 2-core machine
+WAIT_S = 10.0
+FAULT_DEADLINE_S = 5.0
+
+
+@dataclasses.dataclass
+class Peer:
+    """A peer process and its pipe."""
+
+    name: str
+    seed: int
+    profile: str
+    proc: Any
+    conn: Connection
+    metadata: bytes = b""
+    layout: KVLayout | None = None
+    inbox: list[tuple[str, bytes]] = dataclasses.field(default_factory=list)
+
+    def call(self, *cmd: str, timeout: float = WAIT_S) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer {self.name} did not answer {cmd} within {timeout} s")
+        return self.conn.recv()
+
+    def wait_notif(self, sender: str, msg: bytes, timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.inbox += self.call("notifs")
+            if (sender, msg) in self.inbox:
+                self.inbox.remove((sender, msg))
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"peer {self.name} did not get notif {(sender, msg)} (got {self.inbox})")
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(WAIT_S)
+        assert not self.proc.is_alive()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loopback_env() -> Iterator[None]:
+    old = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = old or "lo"  # spawned peers inherit it
+    yield
+    if old is None:
+        os.environ.pop("UCX_NET_DEVICES", None)
+
+
+@pytest.fixture
+def start_peer() -> Iterator[Any]:
+    peers: list[Peer] = []
+
+    def start(name: str = "p", seed: int = 1, profile: str = "small") -> Peer:
+        parent, child = _CTX.Pipe()
+        proc = _CTX.Process(target=peer.serve, args=(child, name, seed, profile), daemon=True)
+        proc.start()
+        child.close()
+        p = Peer(name, seed, profile, proc, parent)
+        peers.append(p)
+        if not parent.poll(STARTUP_S):
+            raise TimeoutError(f"peer {name} did not start within {STARTUP_S} s")
+        tag, p.metadata, p.layout = parent.recv()
+        assert tag == "ready"
+        return p
+
+    yield start
+    for p in peers:
+        if p.proc.is_alive():
+            try:
+                p.call("stop", timeout=5.0)
+            except (TimeoutError, OSError, EOFError):
+                pass
+        p.proc.join(5.0)
+        if p.proc.is_alive():
+            p.proc.kill()
+            p.proc.join(5.0)
+        p.conn.close()
+
+
+@dataclasses.dataclass
+class Local:
+    transport: NixlTransport
+    storage: list[np.ndarray]
+    layout: KVLayout
+
+
+@pytest.fixture
+def local() -> Iterator[Local]:
+    storage = peer.make_kv(seed=100)
+    transport = NixlTransport(f"d-{os.getpid()}")
+    layout = peer.layout_of(storage)
+    transport.register(layout)
+    yield Local(transport, storage, layout)
+    transport.close()
+
+
+def _wait_done(t: NixlTransport, handle: Any, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while t.poll(handle) is not XferState.DONE:
+        if time.monotonic() > deadline:
+            t.release(handle)
+            raise AssertionError(f"transfer not done within {timeout} s")
+        time.sleep(0.001)
+    t.release(handle)
+
+
+def _random_pairs(rng: np.random.Generator, nb: int) -> tuple[list[int], list[int]]:
+    """Shuffled pairs with two runs consecutive on both sides (coalescable) and random singles."""
+    src = [3, 4, 5, 20, 21]
+    dst = [10, 11, 12, 1, 2]
+    rest_src = [b for b in rng.permutation(nb).tolist() if b not in src][:7]
+    rest_dst = [b for b in rng.permutation(nb).tolist() if b not in dst][:7]
+    pairs = list(zip(src + rest_src, dst + rest_dst))
+    order = rng.permutation(len(pairs))
+    return [pairs[i][0] for i in order], [pairs[i][1] for i in order]
+
+
+def test_read_random_blocks(local: Local, start_peer: Any) -> None:
+    p = start_peer(seed=1)
+    t = local.transport
+    t.connect(p.name, p.metadata)
+    src_ids, dst_ids = _random_pairs(np.random.default_rng(0), peer.SMALL_BLOCKS)
+    plan = plan_transfer(p.layout, src_ids, local.layout, dst_ids)
+    regions = len(local.layout.regions)
+    assert regions == 5
+    assert regions < plan.num_runs < regions * len(src_ids)  # partial coalescing
+    expected = [a.copy() for a in local.storage]
+    peer.block_copy(expected, peer.make_kv(seed=1), src_ids, dst_ids)
+    assert not all(np.array_equal(e, a) for e, a in zip(expected, local.storage))
+
+    handle = t.post_read(p.name, plan, b"read-1")
+    assert (handle.num_runs, handle.nbytes) == (plan.num_runs, plan.total_bytes)
+    _wait_done(t, handle)
+    for got, want in zip(local.storage, expected):  # copied blocks right, all other bytes untouched
+        np.testing.assert_array_equal(got, want)
+    p.wait_notif(t.name, b"read-1")
+    assert p.call("dump")[0].tobytes() == peer.make_kv(seed=1)[0].tobytes()  # source unchanged
+
+
+def test_write_random_blocks(local: Local, start_peer: Any) -> None:
+    p = start_peer(seed=2)
+    t = local.transport
+    t.connect(p.name, p.metadata)
+    src_ids, dst_ids = _random_pairs(np.random.default_rng(1), peer.SMALL_BLOCKS)
+    plan = plan_transfer(local.layout, src_ids, p.layout, dst_ids)
+    assert len(local.layout.regions) < plan.num_runs < len(local.layout.regions) * len(src_ids)
+    expected = peer.make_kv(seed=2)
+    peer.block_copy(expected, local.storage, src_ids, dst_ids)
+
+    _wait_done(t, t.post_write(p.name, plan, b"write-1"))
+    p.wait_notif(t.name, b"write-1")  # the notif follows the data: the peer's bytes are final now
+    for got, want in zip(p.call("dump"), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_empty_plan_delivers_notif(local: Local, start_peer: Any) -> None:
+    p = start_peer()
+    t = local.transport
+    t.connect(p.name, p.metadata)
+    before = [a.copy() for a in local.storage]
+    read = t.post_read(p.name, plan_transfer(p.layout, [], local.layout, []), b"empty-read")
+    assert t.poll(read) is XferState.DONE
+    t.release(read)
+    write = t.post_write(p.name, plan_transfer(local.layout, [], p.layout, []), b"empty-write")
+    assert t.poll(write) is XferState.DONE
+    t.release(write)
+    p.wait_notif(t.name, b"empty-read")
+    p.wait_notif(t.name, b"empty-write")
+    assert all(np.array_equal(a, b) for a, b in zip(before, local.storage))
+
+
+def test_notifs_and_unknown_peer(local: Local, start_peer: Any) -> None:
+    p = start_peer()
+    t = local.transport
+    plan = plan_transfer(p.layout, [0], local.layout, [0])
+    with pytest.raises(TransportError, match="not connected"):
+        t.post_read(p.name, plan, b"x")
+    with pytest.raises(TransportError):
+        t.send_notif(p.name, b"x")
+    t.connect(p.name, p.metadata)
+    t.connect(p.name, p.metadata)  # same incarnation again: a no-op
+    t.send_notif(p.name, b"hello")
+    p.wait_notif(t.name, b"hello")
+    assert t.get_notifs() == []
+    t.disconnect(p.name)
+    t.disconnect("nobody")
+    with pytest.raises(TransportError):
+        t.post_read(p.name, plan, b"x")
+
+
+def _read_until_error(t: NixlTransport, peer_name: str, plan: Any, deadline: float) -> tuple[TransportError, int]:
+    """Post reads back to back until one fails; never waits past deadline (then fails the test)."""
+    done = 0
+    while True:
+        try:
+            handle = t.post_read(peer_name, plan, b"")
+        except TransportError as e:
+            return e, done
+        try:
+            while t.poll(handle) is XferState.IN_PROGRESS:
+                if time.monotonic() > deadline:
+                    raise AssertionError("transfer to a killed peer did not fail before the deadline")
+                time.sleep(0.0005)
+            done += 1
+        except TransportError as e:
+            return e, done
+        finally:
+            t.release(handle)  # never raises, also on a failed or unfinished transfer
+        if time.monotonic() > deadline:
+            raise AssertionError("reads from a killed peer kept succeeding past the deadline")
+
+
+def test_peer_killed_before_read(local: Local, start_peer: Any) -> None:
+    p = start_peer()
+    t = local.transport
+    t.connect(p.name, p.metadata)
+    plan = plan_transfer(p.layout, [1, 2, 7], local.layout, [4, 5, 9])
+    _wait_done(t, t.post_read(p.name, plan, b""))  # connection is up
+    p.kill()
+    started = time.monotonic()
+    err, _ = _read_until_error(t, p.name, plan, started + FAULT_DEADLINE_S)
+    assert isinstance(err, PeerDisconnectedError), repr(err)
+    assert time.monotonic() - started < FAULT_DEADLINE_S
+    t.disconnect(p.name)
+
+
+@pytest.mark.parametrize("num_threads", [None, 2], ids=["inline-copy", "threads-2"])
+def test_peer_killed_while_reading(start_peer: Any, num_threads: int | None) -> None:
+    """Default: UCX copies inside post, so the kill shows at a post; with worker threads posts
+    return at once and the kill also shows in poll."""
+    storage = peer.make_kv(seed=7, profile="big")
+    layout = peer.layout_of(storage)
+    p = start_peer(seed=8, profile="big")
+    with NixlTransport(f"d-big-{os.getpid()}", num_threads=num_threads) as t:
+        t.register(layout)
+        t.connect(p.name, p.metadata)
+        ids = np.random.default_rng(3).permutation(peer.BIG_BLOCKS)
+        plan = plan_transfer(p.layout, ids, layout, np.random.default_rng(4).permutation(peer.BIG_BLOCKS))
+        assert plan.num_runs > peer.BIG_BLOCKS // 2
+        killer = threading.Timer(0.5, lambda: os.kill(p.proc.pid, signal.SIGKILL))
+        killer.start()
+        try:
+            err, done = _read_until_error(t, p.name, plan, time.monotonic() + 0.5 + FAULT_DEADLINE_S)
+        finally:
+            killer.cancel()
+        assert isinstance(err, TransportError), repr(err)
+        print(f"killed after {done} full reads: {err!r}")
+    p.proc.join(WAIT_S)
+
+
+def test_reconnect_restarted_peer(local: Local, start_peer: Any) -> None:
+    t = local.transport
+    first = start_peer(name="p", seed=11)
+    t.connect("p", first.metadata)
+    plan = plan_transfer(first.layout, [0, 1, 2], local.layout, [5, 6, 7])
+    _wait_done(t, t.post_read("p", plan, b"one"))
+    first.wait_notif(t.name, b"one")
+    first.kill()
+
+    second = start_peer(name="p", seed=12)  # same name, new memory and new UCX address
+    assert second.metadata != first.metadata
+    t.connect("p", second.metadata)
+    plan = plan_transfer(second.layout, [8, 9, 30], local.layout, [5, 6, 7])
+    expected = [a.copy() for a in local.storage]
+    peer.block_copy(expected, peer.make_kv(seed=12), [8, 9, 30], [5, 6, 7])
+    _wait_done(t, t.post_read("p", plan, b"two"))
+    for got, want in zip(local.storage, expected):
+        np.testing.assert_array_equal(got, want)
+    second.wait_notif(t.name, b"two")
+
+
+def test_idle_agent_does_not_spin() -> None:
+    """With a progress delay the progress thread sleeps; with pthrDelay 0 it burns a core."""
+    with NixlTransport(f"idle-{os.getpid()}", progress_delay_us=1000):
+        time.sleep(0.2)
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    assert cpu < 0.3, f"idle NIXL agent used {cpu:.2f} of a core"
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ConfigError):
+        NixlTransport("x", progress_delay_us=-1)
+    with pytest.raises(ConfigError):
+        NixlTransport("x", num_threads=0)
+    with pytest.raises(ConfigError):
+        NixlTransport("")
+    t = NixlTransport(f"closed-{os.getpid()}")
+    t.close()
+    t.close()
+    with pytest.raises(TransportError, match="closed"):
+        t.get_notifs()
+
+
+def test_process_with_an_agent_exits_cleanly():
+    """nixl's bundled libnl next to the system's (installed for Mooncake) crashed at exit (SIGSEGV)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from kv_connectors.nixl.transport import NixlTransport\n"
+        "t = NixlTransport('exit-check'); t.close()\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "UCX_MODULES"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]

@@ -1,0 +1,31 @@
+"""Registration with vLLM's connector factory: entry point present, idempotent, both loading forms resolve."""
+
+from importlib.metadata import entry_points
+
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+from kv_connectors import plugin
+from kv_connectors.nixl import NixlConnector
+
+
+def test_entry_point_is_installed():
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.value.startswith("kv_connectors.")]
+    assert [ep.value for ep in eps] == ["kv_connectors.plugin:register"]
+
+
+def test_register_is_idempotent_and_resolves_our_class():
+    plugin.register()
+    plugin.register()  # a second call in the same process must not raise
+    assert KVConnectorFactory.get_connector_class_by_name("KvcNixlConnector") is NixlConnector
+    # vLLM's own names stay vLLM's.
+    assert KVConnectorFactory.get_connector_class_by_name("NixlConnector") is not NixlConnector
+
+
+def test_module_path_form_loads_our_class_despite_the_builtin_name():
+    cfg = KVTransferConfig(kv_connector="NixlConnector", kv_connector_module_path="kv_connectors.nixl",
+                           kv_role="kv_producer")
+    assert KVConnectorFactory.get_connector_class(cfg) is NixlConnector
+    cfg = KVTransferConfig(kv_connector="KvcNixlConnector", kv_role="kv_consumer")
+    plugin.register()
+    assert KVConnectorFactory.get_connector_class(cfg) is NixlConnector
