@@ -11,9 +11,13 @@ from kv_connectors.errors import ConfigError
 
 
 class TransferMode(enum.Enum):
-    """Who drives the data movement: D reads from P (pull) or P writes into D (push)."""
+    """Who drives the data movement: D reads from P (pull) or P writes into D (push).
+
+    Chosen on the decode side; a prefill instance serves both.
+    """
 
     PULL = "pull"
+    PUSH = "push"
 
 
 class Role(enum.Enum):
@@ -47,6 +51,8 @@ class ConnectorConfig:
     nixl_backend: str = "UCX"
     progress_delay_us: int = 1000
     nixl_num_threads: int = 0  # 0: NIXL's default (the copy runs inside the post call)
+    mooncake_protocol: str = "tcp"
+    mooncake_device_name: str = ""
 
     def side_channel_port_for_rank(self, rank: int) -> int:
         """Each tensor-parallel worker listens on base port + rank."""
@@ -81,6 +87,12 @@ def _host(key: str, value: Any) -> str:
     return value
 
 
+def _string(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a string, got {value!r}")
+    return value
+
+
 def _choice(choices: tuple[str, ...]):
     def check(key: str, value: Any) -> str:
         if value not in choices:
@@ -107,6 +119,8 @@ _CHECKERS = {
     "nixl_backend": _choice(_NIXL_BACKENDS),
     "progress_delay_us": _non_negative_int,
     "nixl_num_threads": _non_negative_int,
+    "mooncake_protocol": _choice(("tcp", "rdma")),
+    "mooncake_device_name": _string,
 }
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))
@@ -121,9 +135,17 @@ def parse_role(value: Any) -> Role:
         raise ConfigError(f"kv_role must be one of {valid}; got {value!r}") from None
 
 
-def parse_config(engine_id: str, role: Any, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-    """Build the typed config; unknown keys and bad values raise ConfigError naming the key."""
-    extra = dict(extra or {})
+def parse_config(
+    engine_id: str,
+    role: Any,
+    extra: Mapping[str, Any] | None,
+    defaults: Mapping[str, Any] | None = None,
+) -> ConnectorConfig:
+    """Build the typed config; unknown keys and bad values raise ConfigError naming the key.
+
+    defaults: a connector's own defaults for some keys (e.g. Mooncake pushes), overridden by extra.
+    """
+    extra = {**dict(defaults or {}), **dict(extra or {})}
     unknown = sorted(set(extra) - set(_CHECKERS))
     if unknown:
         raise ConfigError(

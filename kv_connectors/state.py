@@ -12,7 +12,7 @@ _EARLY_NOTICE_TTL_S = 600.0
 
 @dataclasses.dataclass
 class _Lease:
-    num_blocks: int
+    block_ids: tuple[int, ...]
     deadline: float
 
 
@@ -30,13 +30,21 @@ class SendLeases:
         self.completed = 0
         self.expired = 0
 
-    def add(self, request_id: str, num_blocks: int, now: float, lease_s: float) -> None:
+    def add(self, request_id: str, block_ids: tuple[int, ...], now: float, lease_s: float) -> None:
         if request_id in self._early:
             del self._early[request_id]
             self._finished.add(request_id)
             self.completed += 1
             return
-        self._leases[request_id] = _Lease(num_blocks, now + lease_s)
+        self._leases[request_id] = _Lease(tuple(block_ids), now + lease_s)
+
+    def block_ids(self, request_id: str) -> tuple[int, ...] | None:
+        lease = self._leases.get(request_id)
+        return None if lease is None else lease.block_ids
+
+    def hold(self, request_id: str) -> None:
+        """Never expire while a write from these blocks is in flight (the write has its own deadline)."""
+        self._leases[request_id].deadline = float("inf")
 
     def notice(self, request_id: str, now: float) -> None:
         """D is done with the request's blocks."""
@@ -63,14 +71,15 @@ class SendLeases:
 
     @property
     def held_blocks(self) -> int:
-        return sum(lease.num_blocks for lease in self._leases.values())
+        return sum(len(lease.block_ids) for lease in self._leases.values())
 
 
 class RecvPhase(enum.Enum):
     """Where a D-side receive stands."""
 
     HANDSHAKE = "handshake"  # waiting for the peer's metadata
-    TRANSFER = "transfer"  # a READ is posted
+    REQUESTED = "requested"  # push: waiting for P to accept the push request
+    TRANSFER = "transfer"  # a READ is posted, or (push) waiting for P's notification
     DONE = "done"
     FAILED = "failed"
 

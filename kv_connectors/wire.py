@@ -72,9 +72,14 @@ class LayoutMsg(msgspec.Struct, frozen=True):
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake"):
+    """D -> P. In push mode D also describes itself so that P can write into D's blocks."""
+
     engine_id: str
     rank: int
     compat: CompatInfo
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    layout: LayoutMsg | None = None
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
@@ -100,6 +105,8 @@ class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply"):
     recv_blocks: int = 0
     recv_descriptors: int = 0
     recv_seconds: float = 0.0
+    pushes: int = 0
+    push_failures: int = 0
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
@@ -107,14 +114,38 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     message: str
 
 
+class PushRequest(msgspec.Struct, frozen=True, tag="push"):
+    """D -> P (push mode): write your blocks of producer_request_id into my block_ids.
+
+    P writes the tail of its blocks (D's own prefix-cache hits are not sent); empty block_ids
+    only releases P's blocks. P answers with PushAck, then a TransferDone(consumer_request_id)
+    notification reaches D when the data is in place.
+    """
+
+    producer_request_id: str
+    consumer_engine_id: str
+    consumer_agent: str
+    consumer_request_id: str
+    block_ids: list[int]
+
+
+class PushAck(msgspec.Struct, frozen=True, tag="push_ack"):
+    accepted: bool
+    message: str = ""
+
+
 class TransferDone(msgspec.Struct, frozen=True, tag="done"):
-    """D -> P notification: the blocks of P's request are no longer needed (read, or abandoned)."""
+    """Notification. D -> P (pull): the blocks of P's request are no longer needed (read, or
+    abandoned). P -> D (push): D's request's blocks are written, or error says why not."""
 
     request_id: str
     engine_id: str
+    error: str = ""
 
 
-Body = HandshakeRequest | HandshakeReply | StatsRequest | StatsReply | ErrorReply | TransferDone
+Body = (
+    HandshakeRequest | HandshakeReply | StatsRequest | StatsReply | ErrorReply | PushRequest | PushAck | TransferDone
+)
 
 # Message kinds that carry no compatibility check (monitoring tools do not know the hash).
 _UNCHECKED = {"stats", "stats_reply", "error"}

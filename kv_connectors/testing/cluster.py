@@ -23,6 +23,8 @@ PROXY_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "proxy.py"
 # The two ways users load our connector: vLLM's module-path form and our entry-point name.
 MODULE_FORM = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kv_connectors.nixl"}
 ENTRY_POINT_FORM = {"kv_connector": "KvcNixlConnector"}
+MOONCAKE_MODULE_FORM = {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connectors.mooncake"}
+MOONCAKE_ENTRY_POINT_FORM = {"kv_connector": "KvcMooncakeConnector"}
 
 
 def kv_transfer_config(

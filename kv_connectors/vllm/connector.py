@@ -28,13 +28,16 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     """Base of our connectors; a subclass names its transport by overriding make_transport."""
 
     transport_name: ClassVar[str] = "abstract"
+    default_extra_config: ClassVar[dict[str, Any]] = {}
     _cache_hit_source = compat.P2P_HIT_SOURCE or compat.KVConnectorBase_V1._cache_hit_source
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         compat.share_vllm_logging()
         kvt = vllm_config.kv_transfer_config
-        self._cfg: ConnectorConfig = parse_config(kvt.engine_id, kvt.kv_role, kvt.kv_connector_extra_config)
+        self._cfg: ConnectorConfig = parse_config(
+            kvt.engine_id, kvt.kv_role, kvt.kv_connector_extra_config, self.default_extra_config
+        )
         if kv_cache_config is not None and compat.num_kv_cache_groups(kv_cache_config) != 1:
             raise ConfigError(
                 f"{type(self).__name__} supports models with one KV cache group; this model has "

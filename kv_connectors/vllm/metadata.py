@@ -27,5 +27,5 @@ class ConnectorMetadata(KVConnectorMetadata):
     """Built by the scheduler side each step; consumed once by the worker side."""
 
     reqs_to_recv: dict[str, RecvSpec] = dataclasses.field(default_factory=dict)
-    reqs_to_send: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> blocks held
+    reqs_to_send: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # request id -> blocks held
     reqs_failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> reason

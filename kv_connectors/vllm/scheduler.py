@@ -124,7 +124,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not wants_remote_decode(params) or request.status not in FINISHED_NORMALLY or not block_ids:
             return False, None
-        self._meta.reqs_to_send[rid] = len(block_ids)
+        self._meta.reqs_to_send[rid] = tuple(block_ids)
         return True, producer_params(
             block_ids=block_ids,
             engine_id=self._cfg.engine_id,

@@ -5,18 +5,10 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 
-from kv_connectors.testing.cluster import (
-    generate, make_prompts, metric, output_ids, pd_server, prefill, stats, wait_until,
-)
+from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
-
-MAX_TOKENS = 8
-# From 1 token to near max_model_len, on and around block boundaries (block size 32).
-LENGTHS = [1, 2, 3, 7, 16, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255, 256, 257, 320, 383,
-           449, 480, MAX_MODEL_LEN - MAX_TOKENS]
-PROMPTS = make_prompts(LENGTHS, seed=1)
 
 
 def _p_released(prefill_server) -> bool:
@@ -24,23 +16,7 @@ def _p_released(prefill_server) -> bool:
 
 
 def test_pd_greedy_equals_colocated_through_proxy(reference, prefill_server, decode_server, proxy):
-    p0, d0 = stats(prefill_server), stats(decode_server)
-    expected = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in PROMPTS]
-    assert len({tuple(e) for e in expected}) > len(PROMPTS) // 2, "tiny model output is near-constant"
-    got = [output_ids(generate(proxy.url, p, MAX_TOKENS)) for p in PROMPTS]
-    mismatches = [(n, e, g) for n, e, g in zip(LENGTHS, expected, got) if e != g]
-    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
-
-    d1 = stats(decode_server)
-    assert d1.recv_transfers - d0.recv_transfers == len(PROMPTS), "D did not load every prompt from P"
-    assert d1.recv_failures == d0.recv_failures
-    assert d1.recv_blocks - d0.recv_blocks >= sum(-(-n // 32) for n in LENGTHS) // 2
-    # Every block P held for D is freed once D has read it: P's counters and vLLM's own gauge.
-    wait_until(lambda: _p_released(prefill_server), 10, "P to free the blocks D read")
-    p1 = stats(prefill_server)
-    assert p1.completed_sends - p0.completed_sends == len(PROMPTS)
-    assert p1.expired_leases == p0.expired_leases
-    wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
+    assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy)
 
 
 def test_chat_and_streaming_through_proxy(reference, proxy):

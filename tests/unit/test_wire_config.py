@@ -111,13 +111,23 @@ def test_params_round_trip_and_errors():
 
 def test_leases_complete_expire_and_early_notices():
     leases = SendLeases()
-    leases.add("a", 3, now=0.0, lease_s=10)
-    leases.add("b", 2, now=0.0, lease_s=10)
+    leases.add("a", (1, 2, 3), now=0.0, lease_s=10)
+    leases.add("b", (4, 5), now=0.0, lease_s=10)
     assert (leases.held_requests, leases.held_blocks) == (2, 5)
     leases.notice("a", now=1.0)
     leases.notice("c", now=1.0)  # before P's worker heard of c
     assert leases.take_finished(2.0) == ({"a"}, set())
-    leases.add("c", 4, now=2.0, lease_s=10)
+    leases.add("c", (6, 7, 8, 9), now=2.0, lease_s=10)
     assert leases.take_finished(3.0) == ({"c"}, set())
     assert leases.take_finished(10.5) == (set(), {"b"})
     assert (leases.held_requests, leases.held_blocks, leases.completed, leases.expired) == (0, 0, 2, 1)
+
+
+def test_held_lease_does_not_expire_while_writing():
+    leases = SendLeases()
+    leases.add("a", (1, 2), now=0.0, lease_s=1)
+    assert leases.block_ids("a") == (1, 2)
+    leases.hold("a")
+    assert leases.take_finished(100.0) == (set(), set())
+    leases.notice("a", now=100.0)
+    assert leases.take_finished(100.0) == ({"a"}, set())

@@ -1,0 +1,43 @@
+"""Mooncake connector for vLLM: `{"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connectors.mooncake"}`.
+
+Import-light: `kv_connectors.mooncake.transport` does not pull in vLLM; the connector class (which
+does) is built on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MooncakeConnector"]
+
+
+def _build_connector_class() -> type:
+    from kv_connectors.vllm.connector import KVConnector
+
+    class MooncakeConnector(KVConnector):
+        """KV transfer over the Mooncake Transfer Engine (P2PHANDSHAKE, tcp or rdma); P pushes by default."""
+
+        transport_name = "mooncake"
+        default_extra_config = {"mode": "push"}
+
+        def make_transport(self, name: str) -> Any:
+            from kv_connectors.mooncake.transport import MooncakeTransport
+
+            return MooncakeTransport(
+                name,
+                hostname=self._cfg.side_channel_host,
+                protocol=self._cfg.mooncake_protocol,
+                device_name=self._cfg.mooncake_device_name,
+            )
+
+    MooncakeConnector.__module__ = __name__
+    MooncakeConnector.__qualname__ = "MooncakeConnector"
+    return MooncakeConnector
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MooncakeConnector":
+        cls = _build_connector_class()
+        globals()["MooncakeConnector"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,475 @@
+"""Mooncake transport: the Transport Protocol on Mooncake's TransferEngine (P2P handshake), return codes mapped to ours."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import importlib
+import logging
+import socket
+import threading
+import time
+import weakref
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kv_connectors.errors import (
+    ConfigError,
+    PeerDisconnectedError,
+    TransferTimeoutError,
+    TransportError,
+    TransportUnavailableError,
+)
+from kv_connectors.layout import KVLayout
+from kv_connectors.plan import TransferPlan
+from kv_connectors.transport import MemoryKind, XferState
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = "pip install kv-connectors[mooncake]"
+_APT_HINT = "apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200"
+_MD_MAGIC = b"KVCMOON1"  # local_metadata() = magic + msgpack(_PeerInfo)
+_NOTIF_PREFIX = "kvc1:"  # notify payloads are str in Mooncake: ours are base64 behind this prefix
+_SCRATCH_BYTES = 64  # registered on every side: notification-only transfers read 1 byte of the peer's
+_NO_SEGMENT = (1 << 64) - 1  # batch id returned by batch_transfer_async_* when the peer cannot be opened
+_PROBE_TIMEOUT_S = 1.0
+_SLOW_FAILURE_S = 5.0  # the engine's transfer timeout is >= 5 s: a later failure of a live peer timed out
+_JOIN_S = 2.0
+# get_batch_transfer_status spins a core until the batch ends, starving the engine's own TCP threads
+# on small hosts: a peer thread first sleeps this fraction of the batch's expected time (from the
+# speed seen for runs of that size): ~1.5x the scattered-block throughput on 2 cores.
+_NAP_FRACTION = 0.8
+_MIN_NAP_S = 0.0002
+_MAX_NAP_S = 1.0
+_mooncake: ModuleType | None = None
+_NAMES: weakref.WeakValueDictionary[str, MooncakeTransport] = weakref.WeakValueDictionary()
+_NAMES_LOCK = threading.Lock()
+
+
+def _load_mooncake() -> ModuleType:
+    """mooncake.engine, imported on first use so `import kv_connectors` stays light."""
+    global _mooncake
+    if _mooncake is None:
+        try:
+            _mooncake = importlib.import_module("mooncake.engine")
+        except (ImportError, OSError) as e:
+            libs = any(lib in str(e) for lib in ("libibverbs", "libnl", "cannot open shared object"))
+            hint = f"system libraries (even for TCP): {_APT_HINT}; and " if libs else ""
+            raise TransportUnavailableError(
+                f"the Mooncake transport cannot load mooncake.engine ({e}); install {hint}{_INSTALL_HINT}"
+            ) from e
+    return _mooncake
+
+
+class _PeerInfo(msgspec.Struct, array_like=True, frozen=True):
+    """What a peer needs to reach us: the engine's session id and a registered scratch byte."""
+
+    session_id: str  # "host:rpc_port"
+    scratch_addr: int
+
+
+@dataclasses.dataclass(eq=False)
+class MooncakeXfer:
+    """Handle of one posted transfer (returned by post_read/post_write; pass it to poll/release)."""
+
+    peer_name: str
+    op: str  # "READ" or "WRITE" ("NOTIF" for send_notif's internal jobs)
+    num_runs: int
+    nbytes: int
+    num_batches: int
+    _plan: TransferPlan | None = None
+    _notif: str | None = None
+    _state: XferState = XferState.IN_PROGRESS
+    _error: TransportError | None = None
+    _cancelled: bool = False
+    _quiet: bool = False  # True for send_notif's internal jobs: errors are logged, nobody polls them
+
+
+def _encode_notif(msg: bytes) -> str:
+    return _NOTIF_PREFIX + base64.b64encode(bytes(msg)).decode("ascii")
+
+
+def _decode_notif(text: str) -> bytes:
+    if text.startswith(_NOTIF_PREFIX):
+        return base64.b64decode(text[len(_NOTIF_PREFIX) :])
+    return text.encode("utf-8", "surrogateescape")  # a foreign sender's plain string
+
+
+def _decode_metadata(data: bytes) -> _PeerInfo:
+    if not data.startswith(_MD_MAGIC):
+        raise TransportError("peer metadata is not from a kv-connectors Mooncake transport")
+    try:
+        return msgspec.msgpack.decode(data[len(_MD_MAGIC) :], type=_PeerInfo)
+    except msgspec.DecodeError as e:
+        raise TransportError(f"malformed Mooncake peer metadata: {e}") from e
+
+
+def _reachable(session_id: str) -> bool:
+    """Whether the peer's handshake port still accepts TCP connections (asked twice: a peer being
+    killed may hold its listening socket a moment longer than its transfers)."""
+    host, _, port = session_id.rpartition(":")
+    try:
+        for pause in (0.2, 0.0):
+            socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_TIMEOUT_S).close()
+            time.sleep(pause)
+    except OSError:
+        return False
+    return True
+
+
+class _PeerWorker:
+    """One thread per peer: runs its jobs in order, batch by batch (the engine's wait spins a core)."""
+
+    def __init__(self, owner: str, engine: Any, mc: ModuleType, peer_name: str, info: _PeerInfo,
+                 scratch: np.ndarray, max_batch: int, metadata: bytes) -> None:
+        self.peer_name = peer_name
+        self.info = info
+        self.metadata = metadata  # exactly what connect() got: equal bytes mean the same peer incarnation
+        self._owner = owner
+        self._engine = engine
+        self._mc = mc
+        self._scratch_buf = scratch  # kept alive while an engine call may still use it
+        self._scratch = int(scratch.ctypes.data)
+        self._max_batch = max_batch
+        self._speed: dict[int, float] = {}  # bytes/s of finished batches, by run-size class
+        self._cv = threading.Condition()
+        self._jobs: collections.deque[MooncakeXfer] = collections.deque()
+        self._stop_reason: str | None = None
+        self.thread = threading.Thread(target=self._run, name=f"mooncake-{owner}-{peer_name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: MooncakeXfer) -> None:
+        with self._cv:
+            if self._stop_reason is not None:
+                raise TransportError(f"Mooncake peer {self.peer_name!r}: {self._stop_reason}")
+            self._jobs.append(job)
+            self._cv.notify()
+
+    def stop(self, reason: str) -> None:
+        """Fail queued jobs; the running one stops after its current batch. Does not wait."""
+        with self._cv:
+            self._stop_reason = reason
+            pending = list(self._jobs)
+            self._jobs.clear()
+            self._cv.notify()
+        for job in pending:
+            self._fail(job, PeerDisconnectedError(f"{job.op} with {self.peer_name}: {reason}"))
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._stop_reason is not None)
+                if self._stop_reason is not None:
+                    return
+                job = self._jobs.popleft()
+            try:
+                self._execute(job)
+            except TransportError as e:
+                self._fail(job, e)
+            except Exception as e:  # a bug or an engine surprise must not kill the thread silently
+                self._fail(job, TransportError(f"{job.op} with {self.peer_name}: {type(e).__name__}: {e}"))
+
+    def _fail(self, job: MooncakeXfer, err: TransportError) -> None:
+        if job._state is not XferState.DONE and job._error is None:
+            job._error = err
+        if job._quiet:
+            logger.warning("Mooncake %s: notification to %s failed: %s", self._owner, self.peer_name, err)
+
+    def _execute(self, job: MooncakeXfer) -> None:
+        plan = job._plan
+        batches = plan.split(self._max_batch) if plan is not None and plan.num_runs else []
+        for i, sub in enumerate(batches):
+            self._check_going(job, f"after {i} of {len(batches)} batches")
+            self._run_batch(job, sub)
+        if job._notif is not None:
+            self._check_going(job, "before its notification")
+            # The engine sends a notify only with a synchronous transfer, once that completed (so after
+            # all our batches): read one byte of the peer's scratch to carry it.
+            started = time.monotonic()
+            rc = self._engine.batch_transfer_sync(
+                self.info.session_id, [self._scratch], [self.info.scratch_addr], [1],
+                self._mc.TransferOpcode.Read, self._mc.TransferNotify(self._owner, job._notif),
+            )
+            if rc != 0:
+                raise self._failure(job, "notification", f"rc {rc}", started)
+        job._plan = None
+        job._state = XferState.DONE
+
+    def _check_going(self, job: MooncakeXfer, where: str) -> None:
+        if job._cancelled:
+            raise TransportError(f"{job.op} with {self.peer_name}: released {where}")
+        if self._stop_reason is not None:
+            raise PeerDisconnectedError(f"{job.op} with {self.peer_name}: {self._stop_reason} {where}")
+
+    def _run_batch(self, job: MooncakeXfer, sub: TransferPlan) -> None:
+        """Submit one batch and wait for it; naps first for most of its expected time (see _NAP_FRACTION)."""
+        local, remote = (sub.dst, sub.src) if job.op == "READ" else (sub.src, sub.dst)
+        submit = self._engine.batch_transfer_async_read if job.op == "READ" else self._engine.batch_transfer_async_write
+        nbytes = sub.total_bytes
+        size_class = (nbytes // sub.num_runs).bit_length()  # runs of similar size move at similar speed
+        started = time.monotonic()
+        batch_id = submit(self.info.session_id, local.tolist(), remote.tolist(), sub.length.tolist())
+        if batch_id == _NO_SEGMENT:
+            raise PeerDisconnectedError(f"Mooncake {job.op} with {self.peer_name}: cannot open its segment "
+                                        f"{self.info.session_id} (peer unreachable)")
+        if batch_id == 0:
+            raise self._failure(job, f"submitting a batch of {sub.num_runs} runs", "batch id 0", started)
+        speed = self._speed.get(size_class)
+        nap = 0.0 if speed is None else _NAP_FRACTION * nbytes / speed
+        if nap >= _MIN_NAP_S:
+            time.sleep(min(nap, _MAX_NAP_S))
+        rc = self._engine.get_batch_transfer_status([batch_id])  # busy-waits until done or failed
+        if rc != 0:
+            raise self._failure(job, f"batch of {sub.num_runs} runs", f"rc {rc}", started)
+        seen = nbytes / max(time.monotonic() - started, 1e-6)
+        # Leans to the fastest recent speed, so a nap rarely outlasts the batch.
+        self._speed[size_class] = seen if speed is None else max(seen, (speed + seen) / 2)
+
+    def _failure(self, job: MooncakeXfer, what: str, code: str, started: float) -> TransportError:
+        """Mooncake says only -1: tell a dead peer from a timeout or a refused request by probing it."""
+        elapsed = time.monotonic() - started
+        sid = self.info.session_id
+        prefix = f"Mooncake {job.op} with {self.peer_name} ({sid}): {what} failed, {code} after {elapsed:.2f} s"
+        if not _reachable(sid):
+            return PeerDisconnectedError(f"{prefix}; the peer is gone (its port refuses connections)")
+        if elapsed >= _SLOW_FAILURE_S:
+            return TransferTimeoutError(f"{prefix}; the peer is reachable but did not answer in time (frozen?)")
+        return TransportError(f"{prefix}; the peer is alive (address outside its registered memory, "
+                              "queue full, or a transient error)")
+
+
+class MooncakeTransport:
+    """Transport on one Mooncake TransferEngine in P2PHANDSHAKE mode (no metadata server).
+
+    `name` is how peers and notifications know us; the engine's address (session id "host:rpc_port")
+    travels in local_metadata(). post_* return at once and poll() never blocks: a thread per peer
+    runs its transfers in order in batches of <= max_batch runs (the engine's TCP queue holds 1024
+    per peer), then sends the notification (Mooncake's notify, carried by a 1-byte read), so it
+    reaches the peer after all data. The engine's status wait spins a core: the thread naps through
+    most of each batch first. A dead peer fails in ~0.1-2 s (PeerDisconnectedError), a frozen one
+    after the engine's timeout (MC_TRANSFER_TIMEOUT, 30 s; TransferTimeoutError). release() cannot
+    abort a submitted batch: it stops at the next. Not thread-safe: one thread drives a transport.
+    """
+
+    def __init__(self, name: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = "", max_batch: int = 1000) -> None:
+        if not name:
+            raise ConfigError("Mooncake transport name must be a non-empty string")
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1 (runs per engine batch), got {max_batch}")
+        mc = _load_mooncake()
+        with _NAMES_LOCK:
+            if name in _NAMES:
+                raise ConfigError(f"a Mooncake transport named {name!r} is already open in this process")
+            _NAMES[name] = self
+        self.name = name
+        self._mc = mc
+        self._max_batch = max_batch
+        self._peers: dict[str, _PeerWorker] = {}
+        self._live: dict[int, MooncakeXfer] = {}
+        self._registered: list[tuple[int, int]] = []  # (start, end) of every registered range
+        self._starts = np.zeros(0, dtype=np.int64)
+        self._ends = np.zeros(0, dtype=np.int64)
+        self._scratch = np.zeros(_SCRATCH_BYTES, dtype=np.uint8)
+        engine = mc.TransferEngine()
+        rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            self._release_name()
+            raise TransportError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}, "
+                                 f"{device_name!r}) failed: rc {rc}")
+        self._engine: Any = engine
+        self.session_id = f"{hostname}:{engine.get_rpc_port()}"
+        self._register_ranges([(int(self._scratch.ctypes.data), _SCRATCH_BYTES)], "*")
+        logger.info("Mooncake transport %s up at %s (%s, max batch %d)", name, self.session_id, protocol, max_batch)
+
+    def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
+        """Register every region of the layout (base, span); overlapping regions are merged first."""
+        self._require_open()
+        if kind is MemoryKind.DEVICE and not getattr(self._mc, "SUPPORT_CUDA", False):
+            raise TransportError("this Mooncake build has no CUDA support: it cannot register device memory")
+        location = "*" if kind is MemoryKind.HOST else f"cuda:{device_id}"
+        merged: list[list[int]] = []  # the engine refuses overlapping ranges (rc -7)
+        for start, end in sorted((r.base, r.base + r.span) for r in layout.regions):
+            if merged and start < merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        ranges = [(s, e - s) for s, e in merged if (s, e) not in set(self._registered)]
+        self._register_ranges(ranges, location)
+        logger.debug("Mooncake %s registered %d ranges (%s)", self.name, len(ranges), location)
+
+    def _register_ranges(self, ranges: list[tuple[int, int]], location: str) -> None:
+        if not ranges:
+            return
+        rc = self._engine.batch_register_memory([a for a, _ in ranges], [n for _, n in ranges], location)
+        if rc != 0:
+            overlap = " (overlaps memory registered before)" if rc == -7 else ""
+            raise TransportError(f"Mooncake {self.name}: registering {len(ranges)} ranges failed: rc {rc}{overlap}")
+        self._registered += [(a, a + n) for a, n in ranges]
+        self._registered.sort()
+        self._starts = np.array([s for s, _ in self._registered], dtype=np.int64)
+        self._ends = np.array([e for _, e in self._registered], dtype=np.int64)
+
+    def local_metadata(self) -> bytes:
+        """Opaque bytes for the handshake: our engine's session id and scratch address."""
+        self._require_open()
+        return _MD_MAGIC + msgspec.msgpack.encode(_PeerInfo(self.session_id, int(self._scratch.ctypes.data)))
+
+    def connect(self, peer_name: str, peer_metadata: bytes) -> None:
+        """Map peer_name to its engine; a known name with new metadata (restarted peer) is replaced."""
+        self._require_open()
+        info = _decode_metadata(peer_metadata)
+        old = self._peers.get(peer_name)
+        if old is not None and old.metadata == peer_metadata:
+            return  # same incarnation
+        self._forget(peer_name, "replaced by a new connection")
+        self._peers[peer_name] = _PeerWorker(self.name, self._engine, self._mc, peer_name, info, self._scratch,
+                                             self._max_batch, bytes(peer_metadata))
+        logger.info("Mooncake %s connected to %s at %s", self.name, peer_name, info.session_id)
+
+    def disconnect(self, peer_name: str) -> None:
+        """Forget a peer (its queued transfers fail); unknown names are ignored."""
+        self._require_open()
+        if peer_name in self._peers:
+            self._forget(peer_name, "disconnected")
+            logger.info("Mooncake %s disconnected from %s", self.name, peer_name)
+
+    def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> MooncakeXfer:
+        """Start copying plan.src (peer memory) into plan.dst (ours); notif reaches the peer when done."""
+        return self._post("READ", peer_name, plan, notif)
+
+    def post_write(self, peer_name: str, plan: TransferPlan, notif: bytes) -> MooncakeXfer:
+        """Start copying plan.src (ours) into plan.dst (peer memory); notif reaches the peer when done."""
+        return self._post("WRITE", peer_name, plan, notif)
+
+    def _post(self, op: str, peer_name: str, plan: TransferPlan, notif: bytes) -> MooncakeXfer:
+        self._require_open()
+        worker = self._require_peer(peer_name)
+        self._check_local(op, plan)
+        batches = -(-plan.num_runs // self._max_batch)
+        handle = MooncakeXfer(peer_name, op, plan.num_runs, plan.total_bytes, batches, plan,
+                              _encode_notif(notif) if notif else None)
+        if plan.num_runs == 0 and not notif:
+            handle._state = XferState.DONE
+            return handle
+        worker.submit(handle)
+        self._live[id(handle)] = handle
+        logger.debug("Mooncake %s %s: %d runs, %d bytes, %d batches", op, peer_name, plan.num_runs,
+                     plan.total_bytes, batches)
+        return handle
+
+    def _check_local(self, op: str, plan: TransferPlan) -> None:
+        """TCP does not check our side's addresses: a run outside registered memory would corrupt it."""
+        if plan.num_runs == 0:
+            return
+        addr = plan.dst if op == "READ" else plan.src
+        idx = np.searchsorted(self._starts, addr, side="right") - 1
+        ok = (idx >= 0) & (addr + plan.length <= self._ends[np.maximum(idx, 0)]) & (plan.length > 0)
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise TransportError(f"Mooncake {op}: local run {bad} ({int(addr[bad]):#x}, {int(plan.length[bad])} "
+                                 "bytes) is not inside registered memory")
+
+    def poll(self, handle: MooncakeXfer) -> XferState:
+        """Non-blocking: DONE or IN_PROGRESS; raises PeerDisconnectedError / TransportError on failure."""
+        if handle._error is not None:
+            raise handle._error
+        if handle._state is XferState.DONE:
+            return XferState.DONE
+        if handle._cancelled:
+            raise TransportError(f"{handle.op} with {handle.peer_name}: handle was released")
+        self._require_open()
+        return XferState.IN_PROGRESS
+
+    def release(self, handle: MooncakeXfer) -> None:
+        """Forget a handle; an unfinished transfer stops after its current batch. Never raises."""
+        self._live.pop(id(handle), None)
+        handle._cancelled = True
+        if handle._state is not XferState.DONE and handle._error is None:
+            handle._error = TransportError(f"{handle.op} with {handle.peer_name}: released before completion")
+
+    def send_notif(self, peer_name: str, msg: bytes) -> None:
+        """Queue a small message to a connected peer, after our earlier transfers to it. Failures are logged."""
+        self._require_open()
+        worker = self._require_peer(peer_name)
+        worker.submit(MooncakeXfer(peer_name, "NOTIF", 0, 0, 0, None, _encode_notif(msg), _quiet=True))
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """Messages received since the last call, as (sender's transport name, message)."""
+        engine = self._require_open()
+        out: list[tuple[str, bytes]] = []
+        for n in engine.get_notifies():
+            try:
+                out.append((n.name, _decode_notif(n.msg)))
+            except ValueError as e:  # UnicodeDecodeError (not UTF-8) or a broken base64 payload
+                logger.warning("Mooncake %s: dropped a malformed notification: %s", self.name, e)
+        return out
+
+    def close(self) -> None:
+        """Stop peer threads, deregister memory and release the engine. Idempotent; never raises."""
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            return
+        self._engine = None
+        try:
+            for handle in list(self._live.values()):
+                self.release(handle)
+            workers = list(self._peers.values())
+            self._peers.clear()
+            for w in workers:
+                w.stop("transport closed")
+            deadline = time.monotonic() + _JOIN_S
+            for w in workers:
+                w.thread.join(max(0.0, deadline - time.monotonic()))
+            stuck = [w.peer_name for w in workers if w.thread.is_alive()]
+            if stuck:
+                # Their engine calls end by the engine's own timeout; the engine lives on in those threads.
+                logger.warning("Mooncake %s: closing with transfers to %s still in the engine", self.name, stuck)
+            elif self._registered:
+                rc = engine.batch_unregister_memory([s for s, _ in self._registered])
+                if rc != 0:
+                    logger.warning("Mooncake %s: unregistering memory failed: rc %s", self.name, rc)
+            self._registered.clear()
+        except Exception as e:  # close() must never raise: it runs on shutdown and error paths
+            logger.warning("Mooncake %s: error while closing: %s", self.name, e)
+        finally:
+            self._release_name()
+        logger.debug("Mooncake transport %s closed", self.name)
+
+    def __enter__(self) -> MooncakeTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _release_name(self) -> None:
+        with _NAMES_LOCK:
+            if _NAMES.get(self.name) is self:
+                del _NAMES[self.name]
+
+    def _require_open(self) -> Any:
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            raise TransportError(f"Mooncake transport {self.name} is closed")
+        return engine
+
+    def _require_peer(self, peer_name: str) -> _PeerWorker:
+        worker = self._peers.get(peer_name)
+        if worker is None:
+            raise TransportError(f"Mooncake peer {peer_name!r} is not connected (call connect first)")
+        return worker
+
+    def _forget(self, peer_name: str, why: str) -> None:
+        """Stop the peer's thread (queued transfers fail with PeerDisconnectedError) and drop it."""
+        worker = self._peers.pop(peer_name, None)
+        if worker is None:
+            return
+        worker.stop(why)
+        for handle in [h for h in self._live.values() if h.peer_name == peer_name]:
+            if handle._state is not XferState.DONE and handle._error is None:
+                handle._error = PeerDisconnectedError(f"{handle.op} with {peer_name}: peer {why}")
+            self._live.pop(id(handle), None)

@@ -1,0 +1,272 @@
+"""D side of a transfer: handshakes with producers, then pulls (READ) or asks P to push (WRITE), with deadlines."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from kv_connectors import sidechannel, wire
+from kv_connectors.config import ConnectorConfig, TransferMode
+from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
+from kv_connectors.layout import KVLayout
+from kv_connectors.plan import plan_transfer
+from kv_connectors.state import RecvPhase, RecvTask
+from kv_connectors.transport import Transport, XferState
+
+logger = logging.getLogger(__name__)
+
+PeerKey = tuple[str, str, int]  # (engine id, side-channel host, port)
+RELEASE_PREFIX = "release:"  # task ids of releases nobody waits on
+
+
+@dataclasses.dataclass
+class _Peer:
+    """A producer: known once its handshake answered."""
+
+    future: concurrent.futures.Future | None
+    agent_name: str = ""
+    layout: KVLayout | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class RecvTotals:
+    transfers: int = 0
+    failures: int = 0
+    bytes: int = 0
+    blocks: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+
+
+class Receiver:
+    """Owns D's receive tasks. Transport calls happen on the caller's thread; the pool thread
+    only does side-channel I/O (handshakes, push requests)."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        rank: int,
+        transport: Transport,
+        layout: KVLayout,
+        compat: wire.CompatInfo,
+    ) -> None:
+        self._cfg = cfg
+        self._rank = rank
+        self._transport = transport
+        self._layout = layout
+        self._compat = compat
+        self._hash = compat.hash()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-handshake")
+        self._peers: dict[PeerKey, _Peer] = {}
+        self._tasks: dict[str, RecvTask] = {}
+        self.totals = RecvTotals()
+
+    # intake -----------------------------------------------------------------------------------
+    def add(self, task: RecvTask) -> None:
+        self._tasks[task.request_id] = task
+        if task.phase is RecvPhase.HANDSHAKE:
+            self._ensure_peer(task.peer_key)
+
+    def _ensure_peer(self, key: PeerKey) -> None:
+        peer = self._peers.get(key)
+        if peer is not None and peer.error is None:
+            return
+        push = self._cfg.mode is TransferMode.PUSH
+        request = wire.HandshakeRequest(
+            self._cfg.engine_id,
+            self._rank,
+            self._compat,
+            agent_name=self._transport.name if push else "",
+            agent_metadata=self._transport.local_metadata() if push else b"",
+            layout=wire.LayoutMsg.from_layout(self._layout) if push else None,
+        )
+        _engine, host, port = key
+        future = self._pool.submit(sidechannel.request, host, port, request, self._hash, self._cfg.handshake_timeout_s)
+        self._peers[key] = _Peer(future)
+
+    # progress ---------------------------------------------------------------------------------
+    def progress(self) -> None:
+        self._resolve_peers()
+        now = time.monotonic()
+        for task in self._tasks.values():
+            if task.phase is RecvPhase.HANDSHAKE:
+                self._advance_handshake(task, now)
+            elif task.phase is RecvPhase.REQUESTED:
+                self._advance_request(task, now)
+            elif task.phase is RecvPhase.TRANSFER:
+                self._advance_transfer(task, now)
+
+    def on_done_notice(self, request_id: str, error: str) -> bool:
+        """P's notification that it wrote (or failed to write) a push request's blocks.
+
+        False if the notice is not for one of our receive tasks (then it is for our sender)."""
+        task = self._tasks.get(request_id)
+        if task is None or task.phase not in (RecvPhase.REQUESTED, RecvPhase.TRANSFER):
+            return False
+        if isinstance(task.handle, concurrent.futures.Future):
+            task.handle.cancel()  # the ack may still be in flight; the notice settles it
+            task.handle = None
+        if error:
+            task.fail(f"producer could not write the blocks: {error}")
+        else:
+            self._complete(task)
+        return True
+
+    def _resolve_peers(self) -> None:
+        for key, peer in self._peers.items():
+            if peer.future is None or not peer.future.done():
+                continue
+            future, peer.future = peer.future, None
+            try:
+                reply = future.result()
+                if not isinstance(reply, wire.HandshakeReply) or reply.engine_id != key[0]:
+                    raise KVConnectorError(
+                        f"side channel {key[1]}:{key[2]} answered for engine "
+                        f"{getattr(reply, 'engine_id', '?')}, expected {key[0]}"
+                    )
+                self._transport.connect(reply.agent_name, reply.agent_metadata)
+                peer.agent_name, peer.layout = reply.agent_name, reply.layout.to_layout()
+                logger.info("connected to producer %s at %s:%d", key[0], key[1], key[2])
+            except Exception as e:  # boundary: a failed handshake fails requests, never the step
+                peer.error = str(e)
+                logger.error("handshake with %s at %s:%d failed: %s", key[0], key[1], key[2], e)
+
+    def _advance_handshake(self, task: RecvTask, now: float) -> None:
+        peer = self._peers[task.peer_key]
+        if peer.error is not None:
+            task.fail(f"handshake with producer failed: {peer.error}")
+        elif peer.layout is None:
+            if now > task.deadline:
+                task.fail("handshake with producer timed out")
+        elif self._cfg.mode is TransferMode.PUSH or not task.local_block_ids:
+            self._request_push(task)
+        else:
+            self._post_read(task, peer)
+
+    def _request_push(self, task: RecvTask) -> None:
+        """Ask P to write (push mode), or just to free its blocks (nothing to read)."""
+        _engine, host, port = task.peer_key
+        request = wire.PushRequest(
+            producer_request_id=task.remote_request_id,
+            consumer_engine_id=self._cfg.engine_id,
+            consumer_agent=self._transport.name,
+            consumer_request_id=task.request_id,
+            block_ids=list(task.local_block_ids),
+        )
+        task.handle = self._pool.submit(
+            sidechannel.request, host, port, request, self._hash, self._cfg.handshake_timeout_s
+        )
+        task.phase = RecvPhase.REQUESTED
+        task.started = time.monotonic()
+
+    def _advance_request(self, task: RecvTask, now: float) -> None:
+        future = task.handle
+        if future is None:
+            return
+        if not future.done():
+            return  # the side-channel request has its own deadline
+        task.handle = None
+        try:
+            ack = future.result()
+            if not isinstance(ack, wire.PushAck) or not ack.accepted:
+                raise KVConnectorError(f"producer refused: {getattr(ack, 'message', ack)!r}")
+        except Exception as e:
+            task.fail(f"push request failed: {e}")
+            return
+        if not task.local_block_ids:
+            task.phase = RecvPhase.DONE
+            return
+        task.phase = RecvPhase.TRANSFER  # handle None: waiting for P's notification
+        task.deadline = now + self._cfg.transfer_timeout_s
+        layout = self._peers[task.peer_key].layout
+        task.num_bytes = len(task.local_block_ids) * self._layout.block_bytes if layout else 0
+
+    def _post_read(self, task: RecvTask, peer: _Peer) -> None:
+        assert peer.layout is not None
+        notif = wire.encode(wire.TransferDone(task.remote_request_id, self._cfg.engine_id), self._hash)
+        started = time.monotonic()  # engines may copy inside the post call (NIXL over cma does)
+        try:
+            plan = plan_transfer(peer.layout, task.remote_block_ids, self._layout, task.local_block_ids)
+            task.handle = self._transport.post_read(peer.agent_name, plan, notif)
+        except KVConnectorError as e:
+            self._fail_transfer(task, e)
+            return
+        task.phase = RecvPhase.TRANSFER
+        task.num_bytes, task.num_descriptors = plan.total_bytes, plan.num_runs
+        task.started = started
+        task.deadline = started + self._cfg.transfer_timeout_s
+
+    def _advance_transfer(self, task: RecvTask, now: float) -> None:
+        if task.handle is None:  # push: waiting for P's notification
+            if now > task.deadline:
+                task.fail(f"producer did not write the blocks within {self._cfg.transfer_timeout_s:g} s")
+            return
+        try:
+            state = self._transport.poll(task.handle)
+        except KVConnectorError as e:
+            self._fail_transfer(task, e)
+            return
+        if state is XferState.DONE:
+            self._transport.release(task.handle)
+            task.handle = None
+            self._complete(task)
+        elif now > task.deadline:
+            self._fail_transfer(task, KVConnectorError(f"transfer timed out after {self._cfg.transfer_timeout_s:g} s"))
+
+    def _complete(self, task: RecvTask) -> None:
+        task.phase = RecvPhase.DONE
+        elapsed = time.monotonic() - task.started
+        t = self.totals
+        t.transfers += 1
+        t.bytes += task.num_bytes
+        t.blocks += len(task.local_block_ids)
+        t.descriptors += task.num_descriptors
+        t.seconds += elapsed
+        logger.debug("request %s: %d bytes in %.6f s", task.request_id, task.num_bytes, elapsed)
+
+    def _fail_transfer(self, task: RecvTask, error: Exception) -> None:
+        if task.handle is not None:
+            self._transport.release(task.handle)
+            task.handle = None
+        peer = self._peers.get(task.peer_key)
+        if isinstance(error, PeerDisconnectedError) and peer is not None:
+            peer.error = str(error)  # the next request handshakes again
+        elif peer is not None and peer.agent_name:
+            self._notify_quietly(peer.agent_name, task.remote_request_id)
+        task.fail(f"KV transfer failed: {error}")
+
+    def _notify_quietly(self, agent_name: str, remote_request_id: str) -> None:
+        """Tell P to free its blocks after a failed read; P's lease covers a lost notice."""
+        try:
+            msg = wire.encode(wire.TransferDone(remote_request_id, self._cfg.engine_id), self._hash)
+            self._transport.send_notif(agent_name, msg)
+        except KVConnectorError as e:
+            logger.debug("could not notify producer %s: %s", agent_name, e)
+
+    # results ----------------------------------------------------------------------------------
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids since the last call; releases are not reported."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for rid in [rid for rid, t in self._tasks.items() if t.phase in (RecvPhase.DONE, RecvPhase.FAILED)]:
+            task = self._tasks.pop(rid)
+            if task.phase is RecvPhase.FAILED:
+                self.totals.failures += 1
+                logger.error("request %s: %s", rid, task.error)
+            if rid.startswith(RELEASE_PREFIX):
+                continue
+            finished.add(rid)
+            if task.phase is RecvPhase.FAILED:
+                failed.add(rid)
+        return finished, failed
+
+    def close(self) -> None:
+        for task in self._tasks.values():
+            if task.handle is not None and not isinstance(task.handle, concurrent.futures.Future):
+                self._transport.release(task.handle)
+        self._tasks.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)

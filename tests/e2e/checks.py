@@ -1,0 +1,34 @@
+"""Shared end-to-end checks: a PD set-up's greedy output equals colocated, and P frees every block."""
+
+from __future__ import annotations
+
+from kv_connectors.testing.cluster import generate, make_prompts, metric, output_ids, stats, wait_until
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+MAX_TOKENS = 8
+BLOCK_SIZE = 32
+# From 1 token to near max_model_len, on and around block boundaries.
+LENGTHS = [1, 2, 3, 7, 16, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255, 256, 257, 320, 383,
+           449, 480, MAX_MODEL_LEN - MAX_TOKENS]
+PROMPTS = make_prompts(LENGTHS, seed=1)
+
+
+def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy) -> None:
+    """Every prompt through the proxy equals the colocated run; D loaded each one; P freed all."""
+    p0, d0 = stats(prefill_server), stats(decode_server)
+    expected = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in PROMPTS]
+    assert len({tuple(e) for e in expected}) > len(PROMPTS) // 2, "tiny model output is near-constant"
+    got = [output_ids(generate(proxy.url, p, MAX_TOKENS)) for p in PROMPTS]
+    mismatches = [(n, e, g) for n, e, g in zip(LENGTHS, expected, got) if e != g]
+    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
+
+    d1 = stats(decode_server)
+    assert d1.recv_transfers - d0.recv_transfers == len(PROMPTS), "D did not load every prompt from P"
+    assert d1.recv_failures == d0.recv_failures
+    assert d1.recv_blocks - d0.recv_blocks >= sum(-(-n // BLOCK_SIZE) for n in LENGTHS) // 2
+    # Every block P held for D is freed once D has it: P's counters and vLLM's own gauge.
+    wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks D loaded")
+    p1 = stats(prefill_server)
+    assert p1.completed_sends - p0.completed_sends == len(PROMPTS)
+    assert p1.expired_leases == p0.expired_leases
+    wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
