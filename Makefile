@@ -32,6 +32,8 @@ $(STAMP): setup.py Makefile
 demo: $(STAMP)
 	$(VPY) examples/demo.py $(DEMO_ARGS)
 
+# e.g. make demo DEMO_ARGS="--transport mooncake" or DEMO_ARGS="--mode push"
+
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
 

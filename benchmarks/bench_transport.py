@@ -98,6 +98,10 @@ def make_transport(kind: str, name: str, args: argparse.Namespace) -> Transport:
         from kv_connectors.nixl.transport import NixlTransport
 
         return NixlTransport(name, progress_delay_us=args.progress_delay_us, num_threads=args.num_threads)
+    if kind == "mooncake":
+        from kv_connectors.mooncake.transport import MooncakeTransport
+
+        return MooncakeTransport(name, protocol=args.mooncake_protocol, max_batch=args.max_batch)
     raise SystemExit(f"unknown transport {kind!r}")
 
 
@@ -143,10 +147,12 @@ def wait_notifs(conn: Connection, expected: int, timeout: float = 10.0) -> int:
         time.sleep(0.01)
 
 
-def run_xfer(t: Transport, plan: TransferPlan, poll_s: float, notif: bytes) -> float:
-    """One READ from P; seconds from post to DONE."""
+def run_xfer(t: Transport, plan: TransferPlan, poll_s: float, notif: bytes, batches: list[int] | None = None) -> float:
+    """One READ from P; seconds from post to DONE. Appends the engine batches used (if known) to batches."""
     start = time.perf_counter()
     handle = t.post_read("bench-p", plan, notif)
+    if batches is not None:
+        batches.append(getattr(handle, "num_batches", 1))
     try:
         while t.poll(handle) is XferState.IN_PROGRESS:
             if time.perf_counter() - start > XFER_TIMEOUT_S:
@@ -221,7 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_xfer(transport, plan, poll_s, b"warmup")  # connection set-up, page tables
         for t in kv:
             words(t)[:] = SENTINEL
-        secs = [run_xfer(transport, plan, poll_s, b"timed")]
+        batches: list[int] = []
+        secs = [run_xfer(transport, plan, poll_s, b"timed", batches)]
         verify(kv, shape, src_ids, dst_ids)
         secs += [run_xfer(transport, plan, poll_s, b"timed") for _ in range(args.repeat - 1)]
         lat = [run_xfer(transport, one, poll_s, b"") for _ in range(args.latency_samples)]
@@ -249,8 +256,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "memcpy": "numpy.copyto of one contiguous buffer (single-thread memcpy)",
             "ratio": round(statistics.median(gbps) / statistics.median(mem), 3),
             "latency_us_1block": round(statistics.median(lat) * 1e6, 1) if lat else None,
-            "progress_delay_us": args.progress_delay_us,
-            "num_threads": args.num_threads,
+            "progress_delay_us": args.progress_delay_us if args.transport == "nixl" else None,
+            "num_threads": args.num_threads if args.transport == "nixl" else None,
+            "batches": batches[0],
+            "max_batch": args.max_batch if args.transport == "mooncake" else None,
             "poll_us": args.poll_us,
             "notifs_at_p": notifs,
             "verified": True,
@@ -268,14 +277,16 @@ def report(r: dict[str, Any]) -> None:
     print(f"{r['transport']} READ (D pulls from P), {r['order']}: {r['size_mib']} MiB in {r['block_kib']} KiB "
           f"blocks, {r['layers']} layers x {r['blocks']} blocks")
     by = r["descriptors_by_order"]
-    print(f"descriptors: {r['descriptors']} (sequential {by['sequential']}, shuffled {by['shuffled']}); "
+    batches = f" in {r['batches']} engine batches" if r["transport"] == "mooncake" else ""
+    print(f"descriptors: {r['descriptors']} (sequential {by['sequential']}, shuffled {by['shuffled']}){batches}; "
           f"plan {r['plan_ms']:.2f} ms")
     print(f"transport: best {r['gbps_best']:.2f} GB/s, median {r['gbps']:.2f} GB/s over {r['repeat']} repeats "
           f"(bytes verified)")
     print(f"memcpy, {r['memcpy']}: best {r['memcpy_gbps_best']:.2f}, median {r['memcpy_gbps']:.2f} GB/s")
     print(f"ratio transport/memcpy (medians): {r['ratio']:.3f}")
     print(f"1-block read latency (all layers, {r['layers']} descriptors): median {r['latency_us_1block']} us "
-          f"(progress delay {r['progress_delay_us']} us, poll {r['poll_us']} us)")
+          + (f"(progress delay {r['progress_delay_us']} us, " if r["transport"] == "nixl"
+             else f"(max batch {r['max_batch']}, ") + f"poll {r['poll_us']} us)")
     expected = r["repeat"] + 1
     if r["notifs_at_p"] != expected:
         print(f"WARNING: P received {r['notifs_at_p']} of {expected} transfer notifications")
@@ -283,7 +294,7 @@ def report(r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--transport", choices=["nixl"], default="nixl")
+    ap.add_argument("--transport", choices=["nixl", "mooncake"], default="nixl")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--block-kib", type=int, default=16)
     ap.add_argument("--layers", type=int, default=8)
@@ -291,7 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--latency-samples", type=int, default=50)
     ap.add_argument("--progress-delay-us", type=int, default=1000)
-    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--num-threads", type=int, default=None, help="NIXL only")
+    ap.add_argument("--max-batch", type=int, default=1000, help="Mooncake only: runs per engine batch")
+    ap.add_argument("--mooncake-protocol", default="tcp", help="Mooncake only: engine protocol")
     ap.add_argument("--poll-us", type=float, default=50.0, help="sleep between polls")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")

@@ -10,18 +10,26 @@ import sys
 import time
 
 from kv_connectors.testing.cluster import (
-    ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, generate, make_prompts, output_ids, pd_server, stats, wait_until,
+    ENTRY_POINT_FORM, MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM, MOONCAKE_MODULE_FORM, ProxyProcess, generate,
+    make_prompts, output_ids, pd_server, stats, wait_until,
 )
 from kv_connectors.testing.procs import VllmServer
 from kv_connectors.testing.tiny_model import build_tiny_model
 
 LENGTHS = [1, 17, 31, 32, 33, 64, 100, 129, 250, 333, 400, 500]
 MAX_MODEL_LEN = 512
+# P uses vLLM's module-path form, D our entry-point name: the demo shows both loading forms.
+FORMS = {
+    "nixl": (MODULE_FORM, ENTRY_POINT_FORM),
+    "mooncake": (MOONCAKE_MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--transport", choices=["nixl"], default="nixl")
+    ap.add_argument("--transport", choices=["nixl", "mooncake"], default="nixl")
+    ap.add_argument("--mode", choices=["pull", "push"], default=None,
+                    help="pull: D reads P's blocks; push: P writes into D's (default: pull for nixl, push for mooncake)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--verbose", action="store_true", help="log server start-up and stops")
     return ap.parse_args(argv)
@@ -39,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
     model = build_tiny_model()
     print(f"model: {model}")
     ref = VllmServer(model, max_model_len=MAX_MODEL_LEN, name="colocated")
-    p = pd_server(model, "kv_producer", form=MODULE_FORM, name="prefill", max_model_len=MAX_MODEL_LEN)
-    d = pd_server(model, "kv_consumer", form=ENTRY_POINT_FORM, name="decode", max_model_len=MAX_MODEL_LEN)
+    p_form, d_form = FORMS[args.transport]
+    d_extra = {"mode": args.mode} if args.mode else {}
+    p = pd_server(model, "kv_producer", form=p_form, name="prefill", max_model_len=MAX_MODEL_LEN)
+    d = pd_server(model, "kv_consumer", form=d_form, name="decode", max_model_len=MAX_MODEL_LEN, extra_config=d_extra)
+    print(f"transport {args.transport}, mode {args.mode or 'default'}: P loads {p_form}, D loads {d_form}")
     t0 = time.monotonic()
     with ref, p, d, ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
@@ -65,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                 totals[k] += delta[k]
             ok = output_ids(got) == expected["token_ids"]
             mismatches += not ok
-            print(_row(n, ok, got.json()["choices"][0]["text"][:40], delta, ms))
+            print(_row(n, ok, got.json()["choices"][0]["text"][:30], delta, ms))
         wait_until(lambda: stats(p).held_blocks == 0, 10, "P to free every block")
         ps = stats(p)
         gbps = totals["bytes"] / totals["seconds"] / 1e9 if totals["seconds"] else 0.0

@@ -100,7 +100,7 @@ class Receiver:
             elif task.phase is RecvPhase.TRANSFER:
                 self._advance_transfer(task, now)
 
-    def on_done_notice(self, request_id: str, error: str) -> bool:
+    def on_done_notice(self, request_id: str, error: str, runs: int = 0) -> bool:
         """P's notification that it wrote (or failed to write) a push request's blocks.
 
         False if the notice is not for one of our receive tasks (then it is for our sender)."""
@@ -113,6 +113,7 @@ class Receiver:
         if error:
             task.fail(f"producer could not write the blocks: {error}")
         else:
+            task.num_descriptors = runs
             self._complete(task)
         return True
 

@@ -104,9 +104,10 @@ class Sender:
             self._finish(write, f"asked for {len(req.block_ids)} blocks, request {rid} holds {len(own)}")
             self.leases.notice(rid, time.monotonic())
             return
-        notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id), self._hash)
         try:
             plan = plan_transfer(self._layout, own[len(own) - len(req.block_ids) :], dst, req.block_ids)
+            done = wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs)
+            notif = wire.encode(done, self._hash)
             write.handle = self._transport.post_write(req.consumer_agent, plan, notif)
         except KVConnectorError as e:
             self._finish(write, f"write failed: {e}")

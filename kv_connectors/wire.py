@@ -141,6 +141,7 @@ class TransferDone(msgspec.Struct, frozen=True, tag="done"):
     request_id: str
     engine_id: str
     error: str = ""
+    runs: int = 0  # push: descriptors (coalesced runs) P wrote
 
 
 Body = (

@@ -129,7 +129,7 @@ class WorkerSide:
                 continue
             if not isinstance(body, wire.TransferDone):
                 continue
-            if not self._receiver.on_done_notice(body.request_id, body.error):
+            if not self._receiver.on_done_notice(body.request_id, body.error, body.runs):
                 self._notices.append(body)
         self._receiver.progress()
         self._sender.progress()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -94,6 +95,57 @@ def serve(conn: Connection, name: str, seed: int, profile: str = "small", progre
             cmd = conn.recv()[0]
             if cmd == "notifs":
                 notifs.extend(transport.get_notifs())
+                conn.send(list(notifs))
+                notifs.clear()
+            elif cmd == "dump":
+                conn.send([a.copy() for a in storage])
+            elif cmd == "stop":
+                transport.close()
+                conn.send("bye")
+                break
+    except (EOFError, BrokenPipeError):
+        pass  # the test process went away: just exit
+    finally:
+        transport.close()
+
+
+def storage_digest(storage: Sequence[np.ndarray]) -> str:
+    """SHA-256 of all storage bytes, in order (what a peer had when a notification arrived)."""
+    h = hashlib.sha256()
+    for a in storage:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def serve_mooncake(conn: Connection, name: str, seed: int, profile: str = "small", max_batch: int = 1000) -> None:
+    """Peer process body for a MooncakeTransport; same commands as serve().
+
+    ("notifs",) answers (peer, msg, digest) triples: digest is storage_digest() taken as soon as
+    the notification was seen, so a test can tell whether the data had landed before it.
+    """
+    from kv_connectors.mooncake.transport import MooncakeTransport
+
+    storage = make_kv(seed, profile)
+    transport = MooncakeTransport(name, max_batch=max_batch)
+    layout = layout_of(storage)
+    transport.register(layout)
+    conn.send(("ready", transport.local_metadata(), layout))
+    notifs: list[tuple[str, bytes, str]] = []
+
+    def collect() -> None:
+        got = transport.get_notifs()
+        if got:
+            digest = storage_digest(storage)
+            notifs.extend((peer, msg, digest) for peer, msg in got)
+
+    try:
+        while True:
+            collect()
+            if not conn.poll(0.002):
+                continue
+            cmd = conn.recv()[0]
+            if cmd == "notifs":
+                collect()
                 conn.send(list(notifs))
                 notifs.clear()
             elif cmd == "dump":
