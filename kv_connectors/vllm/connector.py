@@ -57,6 +57,12 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self._cfg.side_channel_host, self._cfg.side_channel_port_for_rank(rank),
         )
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks this (0.32 does not): registered memory cannot follow a sleeping engine's
+        released KV cache, so sleep mode is refused rather than left to corrupt transfers."""
+        return False
+
     def make_transport(self, name: str) -> Transport:
         raise NotImplementedError
 
