@@ -114,3 +114,23 @@ def test_side_channel_port_in_use_fails_start_up(tiny_model):
             assert "side_channel_port" in log and str(port) in log, log[-2000:]
         finally:
             server.stop()
+
+
+def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
+    """With vLLM's kv_load_failure_policy=recompute a failed load is recomputed on D: same output."""
+    server = pd_server(tiny_model, "kv_consumer", name="D-recompute", max_model_len=MAX_MODEL_LEN,
+                       extra_config={"handshake_timeout_s": 3, "transfer_timeout_s": 5})
+    idx = server.argv.index("--kv-transfer-config") + 1
+    cfg = __import__("json").loads(server.argv[idx])
+    cfg["kv_load_failure_policy"] = "recompute"
+    server.argv[idx] = __import__("json").dumps(cfg)
+    producer = pd_server(tiny_model, "kv_producer", name="P-doomed", max_model_len=MAX_MODEL_LEN)
+    with server:
+        with producer:
+            params = prefill(producer.url, PROMPT)
+            producer.stop()
+        t0 = time.monotonic()
+        got = output_ids(generate(server.url, PROMPT, 8, kv_transfer_params=params, timeout=60))
+        assert time.monotonic() - t0 < DEADLINE_S
+        assert got == output_ids(generate(reference.url, PROMPT, 8))
+        assert stats(server).recv_failures == 1
