@@ -32,7 +32,7 @@ $(STAMP): setup.py Makefile
 demo: $(STAMP)
 	$(VPY) examples/demo.py $(DEMO_ARGS)
 
-# e.g. make demo DEMO_ARGS="--transport mooncake" or DEMO_ARGS="--mode push"
+# e.g. make demo DEMO_ARGS="--transport mooncake", DEMO_ARGS="--mode push" or DEMO_ARGS="--staging on"
 
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests

@@ -105,12 +105,22 @@ def make_transport(kind: str, name: str, args: argparse.Namespace) -> Transport:
     raise SystemExit(f"unknown transport {kind!r}")
 
 
+def maybe_staged(transport: Transport, args: argparse.Namespace) -> Transport:
+    """--staging on: the same engine behind a StagedTransport (KV blocks go through a host pool)."""
+    if args.staging != "on":
+        return transport
+    from kv_connectors.staging import StagedTransport
+
+    return StagedTransport(transport, pool_bytes=args.pool_mib << 20, chunk_bytes=args.chunk_kib << 10)
+
+
 def serve_p(conn: Connection, shape: Shape, args: argparse.Namespace) -> None:
     """P: owns the source KV cache; answers ("notifs",) with the count received and ("stop",)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     kv = make_kv(shape)
     fill_pattern(kv, shape)
-    transport = make_transport(args.transport, "bench-p", args)
+    transport = maybe_staged(make_transport(args.transport, "bench-p", args), args)
+    idle_s = args.poll_us / 1e6 if args.staging == "on" else 0.01  # a staging P takes part in every chunk
     try:
         layout = layout_of(kv, shape)
         transport.register(layout)
@@ -118,8 +128,13 @@ def serve_p(conn: Connection, shape: Shape, args: argparse.Namespace) -> None:
         received = 0
         while True:
             received += len(transport.get_notifs())
-            if conn.poll(0.01):
-                if conn.recv()[0] == "stop":
+            if conn.poll(idle_s):
+                cmd = conn.recv()
+                if cmd[0] == "connect":  # staging: P answers D over notifications, so it connects back
+                    transport.connect(cmd[1], cmd[2])
+                    conn.send("ok")
+                    continue
+                if cmd[0] == "stop":
                     conn.send(received)
                     return
                 conn.send(received)
@@ -207,13 +222,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv = make_kv(shape)
         for t in kv:
             words(t)[:] = SENTINEL  # prefault, and mark every byte as "not copied"
-        transport = make_transport(args.transport, "bench-d", args)
+        transport = maybe_staged(make_transport(args.transport, "bench-d", args), args)
         local = layout_of(kv, shape)
         transport.register(local)
         if not parent.poll(START_TIMEOUT_S):
             raise SystemExit(f"P did not start within {START_TIMEOUT_S} s")
         p_md, remote = parent.recv()
         transport.connect("bench-p", p_md)
+        if args.staging == "on":
+            parent.send(("connect", "bench-d", transport.local_metadata()))
+            if not parent.poll(START_TIMEOUT_S) or parent.recv() != "ok":
+                raise SystemExit("P did not connect back to D (staging)")
         poll_s = args.poll_us / 1e6
 
         counts = {}
@@ -262,6 +281,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch": args.max_batch if args.transport == "mooncake" else None,
             "poll_us": args.poll_us,
             "notifs_at_p": notifs,
+            "staging": args.staging == "on",
+            "pool_mib": args.pool_mib if args.staging == "on" else None,
+            "chunk_kib": args.chunk_kib if args.staging == "on" else None,
+            "pool_peak_slots": transport.pool_stats()["peak_slots_in_use"] if args.staging == "on" else None,
             "verified": True,
         }
     finally:
@@ -284,6 +307,9 @@ def report(r: dict[str, Any]) -> None:
           f"(bytes verified)")
     print(f"memcpy, {r['memcpy']}: best {r['memcpy_gbps_best']:.2f}, median {r['memcpy_gbps']:.2f} GB/s")
     print(f"ratio transport/memcpy (medians): {r['ratio']:.3f}")
+    if r["staging"]:
+        print(f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak "
+              f"{r['pool_peak_slots']} slots in use (D)")
     print(f"1-block read latency (all layers, {r['layers']} descriptors): median {r['latency_us_1block']} us "
           + (f"(progress delay {r['progress_delay_us']} us, " if r["transport"] == "nixl"
              else f"(max batch {r['max_batch']}, ") + f"poll {r['poll_us']} us)")
@@ -306,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=1000, help="Mooncake only: runs per engine batch")
     ap.add_argument("--mooncake-protocol", default="tcp", help="Mooncake only: engine protocol")
     ap.add_argument("--poll-us", type=float, default=50.0, help="sleep between polls")
+    ap.add_argument("--staging", choices=["on", "off"], default="off", help="move blocks through a host pool")
+    ap.add_argument("--pool-mib", type=int, default=32, help="staging only: host pool size")
+    ap.add_argument("--chunk-kib", type=int, default=1024, help="staging only: chunk (pool slot) size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args(argv)

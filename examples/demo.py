@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=["pull", "push"], default=None,
                     help="pull: D reads P's blocks; push: P writes into D's (default: pull for nixl, push for mooncake)")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--staging", choices=["auto", "on", "off"], default="auto",
+                    help="CPU staging through a bounded host pool (auto: only where device memory cannot be registered)")
+    ap.add_argument("--pool-kib", type=int, default=128, help="staging pool size (with --staging on)")
     ap.add_argument("--verbose", action="store_true", help="log server start-up and stops")
     return ap.parse_args(argv)
 
@@ -48,10 +51,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {model}")
     ref = VllmServer(model, max_model_len=MAX_MODEL_LEN, name="colocated")
     p_form, d_form = FORMS[args.transport]
-    d_extra = {"mode": args.mode} if args.mode else {}
-    p = pd_server(model, "kv_producer", form=p_form, name="prefill", max_model_len=MAX_MODEL_LEN)
+    staging = {"staging": args.staging, "staging_pool_kib": args.pool_kib, "staging_chunk_kib": max(1, args.pool_kib // 4)}
+    d_extra = {**staging, **({"mode": args.mode} if args.mode else {})}
+    p = pd_server(model, "kv_producer", form=p_form, name="prefill", max_model_len=MAX_MODEL_LEN, extra_config=staging)
     d = pd_server(model, "kv_consumer", form=d_form, name="decode", max_model_len=MAX_MODEL_LEN, extra_config=d_extra)
-    print(f"transport {args.transport}, mode {args.mode or 'default'}: P loads {p_form}, D loads {d_form}")
+    print(f"transport {args.transport}, mode {args.mode or 'default'}, staging {args.staging}: "
+          f"P loads {p_form}, D loads {d_form}")
     t0 = time.monotonic()
     with ref, p, d, ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
@@ -86,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
             f"{totals['seconds'] * 1e3:.1f} ms of transfer ({gbps:.2f} GB/s); P freed {ps.completed_sends} "
             f"requests' blocks, holds {ps.held_blocks}"
         )
+        ds = stats(d)
+        if ds.staging_pool_bytes:
+            print(f"staging: pool {ds.staging_pool_bytes // 1024} KiB on each side, peak use on D "
+                  f"{ds.staging_peak_bytes // 1024} KiB, on P {ps.staging_peak_bytes // 1024} KiB")
         return 1 if mismatches else 0
 
 

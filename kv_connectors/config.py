@@ -20,6 +20,14 @@ class TransferMode(enum.Enum):
     PUSH = "push"
 
 
+class Staging(enum.Enum):
+    """CPU staging through a bounded host pool: auto = only when device memory cannot be registered."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 class Role(enum.Enum):
     """The instance's part in disaggregation (vLLM's kv_role)."""
 
@@ -53,6 +61,9 @@ class ConnectorConfig:
     nixl_num_threads: int = 0  # 0: NIXL's default (the copy runs inside the post call)
     mooncake_protocol: str = "tcp"
     mooncake_device_name: str = ""
+    staging: Staging = Staging.AUTO
+    staging_pool_kib: int = 64 * 1024
+    staging_chunk_kib: int = 1024
 
     def side_channel_port_for_rank(self, rank: int) -> int:
         """Each tensor-parallel worker listens on base port + rank."""
@@ -78,6 +89,12 @@ def _port(key: str, value: Any) -> int:
 def _non_negative_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive integer, got {value!r}")
     return value
 
 
@@ -121,6 +138,9 @@ _CHECKERS = {
     "nixl_num_threads": _non_negative_int,
     "mooncake_protocol": _choice(("tcp", "rdma")),
     "mooncake_device_name": _string,
+    "staging": lambda key, value: Staging(_choice(tuple(m.value for m in Staging))(key, value)),
+    "staging_pool_kib": _positive_int,
+    "staging_chunk_kib": _positive_int,
 }
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))
@@ -153,6 +173,12 @@ def parse_config(
             f"valid keys: {', '.join(VALID_KEYS)}"
         )
     values = {key: _CHECKERS[key](key, value) for key, value in extra.items()}
+    pool, chunk = values.get("staging_pool_kib", 64 * 1024), values.get("staging_chunk_kib", 1024)
+    if pool < 2 * chunk:
+        raise ConfigError(
+            f"kv_connector_extra_config['staging_pool_kib'] ({pool}) must hold at least two chunks of "
+            f"staging_chunk_kib ({chunk}) so that chunks can be pipelined"
+        )
     if not engine_id:
         raise ConfigError("engine_id must be a non-empty string")
     return ConnectorConfig(engine_id=str(engine_id), role=parse_role(role), **values)

@@ -75,14 +75,15 @@ class Receiver:
         peer = self._peers.get(key)
         if peer is not None and peer.error is None:
             return
-        push = self._cfg.mode is TransferMode.PUSH
+        # P connects back to us: it writes into our blocks (push) and a staged transport answers
+        # our reads with notifications.
         request = wire.HandshakeRequest(
             self._cfg.engine_id,
             self._rank,
             self._compat,
-            agent_name=self._transport.name if push else "",
-            agent_metadata=self._transport.local_metadata() if push else b"",
-            layout=wire.LayoutMsg.from_layout(self._layout) if push else None,
+            agent_name=self._transport.name,
+            agent_metadata=self._transport.local_metadata(),
+            layout=wire.LayoutMsg.from_layout(self._layout),
         )
         _engine, host, port = key
         future = self._pool.submit(sidechannel.request, host, port, request, self._hash, self._cfg.handshake_timeout_s)

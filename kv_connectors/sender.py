@@ -87,7 +87,7 @@ class Sender:
         try:
             self._transport.connect(request.agent_name, request.agent_metadata)
             self._consumers[request.agent_name] = request.layout.to_layout()
-            logger.info("consumer %s connected for push", request.engine_id)
+            logger.info("consumer %s connected", request.engine_id)
         except KVConnectorError as e:
             logger.error("cannot connect consumer %s: %s", request.engine_id, e)
 

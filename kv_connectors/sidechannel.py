@@ -30,7 +30,7 @@ class SideChannelServer:
     """
 
     def __init__(self, host: str, port: int, compat_hash: str, handler: Handler) -> None:
-        self._compat_hash = compat_hash
+        self.compat_hash = compat_hash  # may be set later, before the owner answers handshakes
         self._handler = handler
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -62,7 +62,7 @@ class SideChannelServer:
         except Exception as e:  # a bug must not kill the listener thread (vLLM's built-in hangs then)
             logger.exception("side channel handler failed")
             reply = wire.ErrorReply("internal", f"{type(e).__name__}: {e}")
-        return wire.encode(reply, self._compat_hash)
+        return wire.encode(reply, self.compat_hash)
 
     def _serve(self) -> None:
         poller = zmq.Poller()

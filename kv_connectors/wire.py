@@ -24,6 +24,7 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str
     block_size: int
     layout: tuple[int, ...]  # KVLayout.shape_signature()
+    transport: str = ""  # e.g. "nixl" or "mooncake+staging": peers must move data the same way
     wire_version: int = WIRE_VERSION
 
     def hash(self) -> str:
@@ -72,7 +73,7 @@ class LayoutMsg(msgspec.Struct, frozen=True):
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake"):
-    """D -> P. In push mode D also describes itself so that P can write into D's blocks."""
+    """D -> P. D also describes itself so that P can connect back (push writes, staged replies)."""
 
     engine_id: str
     rank: int
@@ -107,6 +108,9 @@ class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply"):
     recv_seconds: float = 0.0
     pushes: int = 0
     push_failures: int = 0
+    staging_pool_bytes: int = 0  # configured bound (0: no staging)
+    staging_peak_bytes: int = 0  # most pool bytes ever in use at once
+    staging_allocated_bytes: int = 0  # what the pool actually allocated
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):

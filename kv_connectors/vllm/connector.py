@@ -10,7 +10,7 @@ import torch
 from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
 from kv_connectors.layout import TensorInfo, build_layout
-from kv_connectors.transport import Transport
+from kv_connectors.transport import MemoryKind, Transport
 from kv_connectors.vllm import compat
 from kv_connectors.vllm.metadata import ConnectorMetadata
 from kv_connectors.vllm.scheduler import SchedulerSide
@@ -50,7 +50,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if role == compat.KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.side_channel_port_for_rank(0))
         else:
-            self._worker = WorkerSide(self._cfg, rank, self.make_transport)
+            self._worker = WorkerSide(self._cfg, rank, self.make_transport, self.transport_name)
         logger.info(
             "%s (%s) role=%s engine=%s side channel %s:%d",
             type(self).__name__, self.transport_name, self._cfg.role.value, self._cfg.engine_id,
@@ -83,7 +83,9 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         layout = build_layout(infos, num_blocks, self._block_size)
         facts = compat.model_facts(self._vllm_config)
         compat_info = CompatInfo(layout=layout.shape_signature(), **facts)
-        self.worker_side.register(layout, compat_info)
+        first = next(iter(kv_caches.values()))
+        kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
+        self.worker_side.register(layout, compat_info, kind, first.device.index or 0)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata if isinstance(self._connector_metadata, ConnectorMetadata) else None

@@ -7,14 +7,17 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
+
 from kv_connectors import sidechannel, wire
-from kv_connectors.config import ConnectorConfig
-from kv_connectors.errors import KVConnectorError
+from kv_connectors.config import ConnectorConfig, Staging
+from kv_connectors.errors import KVConnectorError, TransportError
 from kv_connectors.layout import KVLayout
 from kv_connectors.receiver import RELEASE_PREFIX, Receiver
 from kv_connectors.sender import Sender
 from kv_connectors.state import RecvPhase, RecvTask
-from kv_connectors.transport import Transport
+from kv_connectors.staging import StagedTransport
+from kv_connectors.transport import MemoryKind, Transport
 from kv_connectors.vllm.metadata import ConnectorMetadata
 
 logger = logging.getLogger(__name__)
@@ -26,8 +29,11 @@ class WorkerSide:
     """Runs in the Worker process, on the thread vLLM calls it on (every transport call happens
     there); the side-channel thread only answers handshakes and stats and queues push requests."""
 
-    def __init__(self, cfg: ConnectorConfig, rank: int, make_transport: TransportFactory) -> None:
+    def __init__(
+        self, cfg: ConnectorConfig, rank: int, make_transport: TransportFactory, transport_label: str = ""
+    ) -> None:
         self._cfg = cfg
+        self._transport_label = transport_label
         self._rank = rank
         self._make_transport = make_transport
         self._transport: Transport | None = None
@@ -38,9 +44,12 @@ class WorkerSide:
         self._sender: Sender | None = None
         self._stats = wire.StatsReply(cfg.engine_id, 0, 0, 0, 0)
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
+        self._staging: StagedTransport | None = None
 
     # set-up ---------------------------------------------------------------------------------
-    def register(self, layout: KVLayout, compat: wire.CompatInfo) -> None:
+    def register(
+        self, layout: KVLayout, compat: wire.CompatInfo, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0
+    ) -> None:
         # Bind first: a port in use must fail start-up before anything else is built.
         server = sidechannel.SideChannelServer(
             self._cfg.side_channel_host,
@@ -49,11 +58,14 @@ class WorkerSide:
             self._handle,
         )
         try:
-            transport = self._make_transport(f"{self._cfg.engine_id}-rank{self._rank}")
-            transport.register(layout)
+            transport = self._registered_transport(layout, kind, device_id)
         except BaseException:
             server.close()
             raise
+        # Both peers must move data the same way (same engine; staged or not).
+        kind_of_transfer = self._transport_label + ("+staging" if self._staging is not None else "")
+        compat = msgspec.structs.replace(compat, transport=kind_of_transfer)
+        server.compat_hash = compat.hash()
         self._layout, self._compat, self._transport = layout, compat, transport
         self._receiver = Receiver(self._cfg, self._rank, transport, layout, compat)
         self._sender = Sender(self._cfg, transport, layout, compat)
@@ -62,6 +74,41 @@ class WorkerSide:
             "KV cache registered: %d blocks x %d bytes in %d regions, compat hash %s",
             layout.num_blocks, layout.block_bytes, len(layout.regions), compat.hash(),
         )
+
+    def _registered_transport(self, layout: KVLayout, kind: MemoryKind, device_id: int) -> Transport:
+        """The transport with the KV cache registered: directly, or through a staging pool when
+        asked (staging=on) or when device memory cannot be registered (staging=auto)."""
+        name = f"{self._cfg.engine_id}-rank{self._rank}"
+        if self._cfg.staging is Staging.ON:
+            return self._staged(name, layout, kind, device_id)
+        transport = self._make_transport(name)
+        try:
+            transport.register(layout, kind, device_id)
+            return transport
+        except TransportError as e:
+            transport.close()
+            if self._cfg.staging is not Staging.AUTO or kind is not MemoryKind.DEVICE:
+                raise
+            logger.warning(
+                "device memory cannot be registered with the transport (%s): staging through a %d KiB host pool",
+                e, self._cfg.staging_pool_kib,
+            )
+        return self._staged(name, layout, kind, device_id)
+
+    def _staged(self, name: str, layout: KVLayout, kind: MemoryKind, device_id: int) -> Transport:
+        inner = self._make_transport(name)
+        try:
+            staged = StagedTransport(
+                inner,
+                pool_bytes=self._cfg.staging_pool_kib * 1024,
+                chunk_bytes=self._cfg.staging_chunk_kib * 1024,
+            )
+            staged.register(layout, kind, device_id)
+        except BaseException:
+            inner.close()
+            raise
+        self._staging = staged
+        return staged
 
     def _handle(self, body: wire.Body) -> wire.Body:
         """Side-channel requests (server thread)."""
@@ -163,7 +210,18 @@ class WorkerSide:
             recv_seconds=t.seconds,
             pushes=self._sender.pushes,
             push_failures=self._sender.push_failures,
+            **self._staging_stats(),
         )
+
+    def _staging_stats(self) -> dict[str, int]:
+        if self._staging is None:
+            return {}
+        ps = self._staging.pool_stats()
+        return {
+            "staging_pool_bytes": int(ps["pool_bytes"]),
+            "staging_peak_bytes": int(ps["peak_slots_in_use"]) * self._cfg.staging_chunk_kib * 1024,
+            "staging_allocated_bytes": int(ps.get("allocated_bytes", ps["pool_bytes"])),
+        }
 
     def stats(self) -> Mapping[str, Any]:
         return {f: getattr(self._stats, f) for f in self._stats.__struct_fields__}

@@ -131,3 +131,27 @@ def test_held_lease_does_not_expire_while_writing():
     assert leases.take_finished(100.0) == (set(), set())
     leases.notice("a", now=100.0)
     assert leases.take_finished(100.0) == ({"a"}, set())
+
+
+def test_staging_config():
+    from kv_connectors.config import Staging
+
+    cfg = parse_config("e", "kv_consumer", {"staging": "on", "staging_pool_kib": 128, "staging_chunk_kib": 32})
+    assert cfg.staging is Staging.ON and cfg.staging_pool_kib == 128
+    assert parse_config("e", "kv_consumer", {}).staging is Staging.AUTO
+    with pytest.raises(ConfigError, match="staging.*auto, on, off"):
+        parse_config("e", "kv_consumer", {"staging": True})
+    with pytest.raises(ConfigError, match="at least two chunks"):
+        parse_config("e", "kv_consumer", {"staging_pool_kib": 64, "staging_chunk_kib": 64})
+
+
+def test_connector_defaults_yield_to_user_config():
+    cfg = parse_config("e", "kv_consumer", {}, defaults={"mode": "push"})
+    assert cfg.mode is TransferMode.PUSH
+    cfg = parse_config("e", "kv_consumer", {"mode": "pull"}, defaults={"mode": "push"})
+    assert cfg.mode is TransferMode.PULL
+
+
+def test_compat_hash_covers_the_way_data_moves():
+    staged = msgspec.structs.replace(COMPAT, transport="nixl+staging")
+    assert staged.hash() != msgspec.structs.replace(COMPAT, transport="nixl").hash()

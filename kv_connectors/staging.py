@@ -1,0 +1,1029 @@
+"""CPU staging: a Transport wrapper that moves KV blocks through a bounded host pool (no GPUDirect needed)."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import enum
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, Union
+
+import msgspec
+import numpy as np
+
+from kv_connectors.errors import (
+    ConfigError,
+    PeerDisconnectedError,
+    TransferTimeoutError,
+    TransportError,
+    TransportUnavailableError,
+)
+from kv_connectors.layout import KVLayout, Region
+from kv_connectors.plan import TransferPlan
+from kv_connectors.transport import MemoryKind, Transport, XferState
+
+logger = logging.getLogger(__name__)
+
+_MSG_MAGIC = b"\x00KVCSTG1"  # staging notifications (msgpack lists of messages) start with this
+_BATCH_BYTES = 32 * 1024  # a peer's queued messages go out once they reach this size (engines cap notifs)
+_MD_MAGIC = b"KVCSTGM1"  # local_metadata() = magic + msgpack(_StagedInfo)
+_PROBE_BYTES = 64  # liveness probes read one byte of the peer's pool into this registered word
+_ABORTED_MEMORY = 4096  # (peer, transfer) ids remembered as aborted, to drop their late messages
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (unified addressing)
+_ERROR_KINDS: tuple[type[TransportError], ...] = (TransportError, PeerDisconnectedError, TransferTimeoutError)
+
+Pair = tuple[int, int, int]  # (dst_addr, src_addr, length)
+
+
+# Copiers -------------------------------------------------------------------------------------
+class Copier(Protocol):
+    """Copies between the KV cache and the pool; copy() may return before the bytes are there."""
+
+    def copy(self, pairs: Sequence[Pair]) -> None:
+        """Start copying each (dst_addr, src_addr, length)."""
+
+    def synchronize(self) -> None:
+        """Wait until every copy started so far has finished."""
+
+
+class HostCopier:
+    """Host memory on both sides: ctypes.memmove per pair, a single-thread memcpy on the calling thread."""
+
+    def copy(self, pairs: Sequence[Pair]) -> None:
+        move = ctypes.memmove
+        for dst, src, n in pairs:
+            move(dst, src, n)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: copy() is synchronous."""
+
+
+def _load_cudart() -> ctypes.CDLL:
+    """The libcudart torch loaded (same runtime as torch's streams), else one found by name."""
+    import torch
+
+    with open("/proc/self/maps") as maps:
+        loaded = sorted({ln.split()[-1] for ln in maps if "libcudart" in ln and "/" in ln})
+    major = (torch.version.cuda or "12").split(".")[0]
+    for name in [*loaded, f"libcudart.so.{major}", "libcudart.so"]:
+        try:
+            lib = ctypes.CDLL(name)
+            fn = lib.cudaMemcpyAsync
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        return lib
+    raise TransportUnavailableError("CudaCopier: cannot find libcudart (cudaMemcpyAsync)")
+
+
+class CudaCopier:
+    """Device <-> pinned host copies: cudaMemcpyAsync (libcudart, as loaded by torch) on a private stream.
+
+    copy() first orders the private stream after the work already queued on the device's current
+    stream (the model's kernels that wrote the KV cache), then queues the copies and returns;
+    synchronize() waits for the private stream only, so the compute stream is never stalled.
+    """
+
+    def __init__(self, device_id: int = 0) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TransportUnavailableError("CudaCopier needs a CUDA build of torch and a visible GPU")
+        self._torch = torch
+        self._device = torch.device("cuda", device_id)
+        self._stream = torch.cuda.Stream(device=self._device)
+        self._lib = _load_cudart()
+
+    def copy(self, pairs: Sequence[Pair]) -> None:
+        if not pairs:
+            return
+        cuda = self._torch.cuda
+        with cuda.device(self._device):
+            self._stream.wait_stream(cuda.current_stream(self._device))
+            stream = ctypes.c_void_p(self._stream.cuda_stream)
+            memcpy = self._lib.cudaMemcpyAsync
+            for dst, src, n in pairs:
+                rc = memcpy(dst, src, n, _CUDA_MEMCPY_DEFAULT, stream)
+                if rc != 0:
+                    why = self._lib.cudaGetErrorString(rc).decode(errors="replace")
+                    raise TransportError(f"cudaMemcpyAsync({dst:#x} <- {src:#x}, {n} bytes) failed: {rc} {why}")
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
+
+
+# Chunking ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+    """A plan's runs cut into chunks. Piece i copies length[i] bytes src[i] -> dst[i] and sits at
+    slot_off[i] in its chunk's slot; chunk k is pieces bounds[k]:bounds[k+1], packed from offset 0."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    slot_off: np.ndarray
+    bounds: np.ndarray
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.bounds.shape[0]) - 1
+
+    def pieces(self, k: int) -> slice:
+        return slice(int(self.bounds[k]), int(self.bounds[k + 1]))
+
+    def nbytes(self, k: int) -> int:
+        return int(self.length[self.pieces(k)].sum())
+
+
+def chunk_plan(plan: TransferPlan, chunk_bytes: int, max_runs: int) -> Chunks:
+    """Cut the runs, read as one byte stream, at every multiple of chunk_bytes (a longer run is
+    split); a chunk with more than max_runs pieces is split again. Empty runs are dropped."""
+    keep = plan.length > 0
+    src, dst = plan.src[keep].astype(np.int64), plan.dst[keep].astype(np.int64)
+    length = plan.length[keep].astype(np.int64)
+    if length.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Chunks(empty, empty, empty, empty, np.zeros(1, dtype=np.int64))
+    ends = np.cumsum(length)
+    starts = ends - length
+    total = int(ends[-1])
+    points = np.union1d(starts, np.arange(chunk_bytes, total, chunk_bytes, dtype=np.int64))
+    run = np.searchsorted(ends, points, side="right")
+    offset = points - starts[run]
+    byte_chunk = points // chunk_bytes
+    rank = np.arange(points.size) - np.searchsorted(byte_chunk, byte_chunk, side="left")
+    first = rank % max_runs == 0
+    bounds = np.append(np.flatnonzero(first), points.size).astype(np.int64)
+    chunk_of = np.cumsum(first) - 1
+    return Chunks(
+        src=src[run] + offset,
+        dst=dst[run] + offset,
+        length=np.diff(np.append(points, total)),
+        slot_off=points - points[bounds[:-1]][chunk_of],
+        bounds=bounds,
+    )
+
+
+# Wire ----------------------------------------------------------------------------------------
+class _StagedInfo(msgspec.Struct, array_like=True, frozen=True):
+    """What a peer needs besides the inner transport's metadata: where our pool is."""
+
+    inner: bytes
+    pool_base: int
+    pool_bytes: int
+    chunk_bytes: int
+    max_runs: int
+
+
+class _Msg(msgspec.Struct, array_like=True, frozen=True):
+    """A staging message; `xfer` is the initiator's transfer id, `chunk` the chunk index."""
+
+
+class _Stage(_Msg, tag=1):  # D -> P: gather these runs of your KV cache into a slot
+    xfer: int
+    chunk: int
+    runs: bytes  # int64 (addr, length) pairs
+
+
+class _Ready(_Msg, tag=2):  # P -> D: the chunk is at offset in my pool
+    xfer: int
+    chunk: int
+    offset: int
+
+
+class _Free(_Msg, tag=3):  # initiator -> responder: release the slot you hold for this chunk
+    xfer: int
+    chunk: int
+    offset: int
+
+
+class _Want(_Msg, tag=4):  # P -> D: give me a slot for nbytes
+    xfer: int
+    chunk: int
+    nbytes: int
+
+
+class _Slot(_Msg, tag=5):  # D -> P: write it at offset in my pool
+    xfer: int
+    chunk: int
+    offset: int
+
+
+class _Scatter(_Msg, tag=6):  # P -> D, carried by the inner WRITE: scatter the slot into these runs
+    xfer: int
+    chunk: int
+    offset: int
+    runs: bytes
+
+
+class _Scattered(_Msg, tag=7):  # D -> P: the chunk is in my KV cache, my slot is free
+    xfer: int
+    chunk: int
+
+
+class _Error(_Msg, tag=8):  # either way: the transfer failed; to_initiator tells which side's id it is
+    xfer: int
+    to_initiator: bool
+    kind: int  # index into _ERROR_KINDS
+    reason: str
+
+
+class _User(_Msg, tag=9):  # a user notification that itself starts with _MSG_MAGIC (escaped)
+    payload: bytes
+
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder(list[Union[_Stage, _Ready, _Free, _Want, _Slot, _Scatter, _Scattered, _Error, _User]])
+
+
+def _pack_runs(addr: np.ndarray, length: np.ndarray) -> bytes:
+    return np.stack([addr, length], axis=1).astype("<i8").tobytes()
+
+
+def _unpack_runs(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    if len(data) % 16:
+        raise TransportError(f"malformed run list ({len(data)} bytes)")
+    runs = np.frombuffer(data, dtype="<i8").reshape(-1, 2).astype(np.int64)
+    return runs[:, 0], runs[:, 1]
+
+
+def _user_bytes(msg: bytes) -> bytes:
+    return _MSG_MAGIC + _ENC.encode([_User(bytes(msg))]) if msg.startswith(_MSG_MAGIC) else bytes(msg)
+
+
+def _one_run(src: int, dst: int, n: int) -> TransferPlan:
+    return TransferPlan(np.array([src], np.int64), np.array([dst], np.int64), np.array([n], np.int64), 0)
+
+
+# State ---------------------------------------------------------------------------------------
+class _Phase(enum.Enum):
+    WAIT_READY = "wait_ready"  # READ: STAGE sent, our slot is held
+    READING = "reading"  # READ: inner READ from the peer's slot into ours
+    WAIT_SLOT = "wait_slot"  # WRITE: gathered into our slot, WANT sent
+    WRITING = "writing"  # WRITE: inner WRITE from our slot into the peer's
+    WAIT_SCATTERED = "wait_scattered"  # WRITE: our slot is free, the peer has yet to scatter
+
+
+@dataclasses.dataclass(eq=False)
+class _Chunk:
+    index: int
+    slot: int | None  # offset of our slot in the pool; None once freed
+    nbytes: int
+    phase: _Phase
+    remote_off: int = -1
+    inner: Any = None  # inner handle while an inner op is in flight
+    scattered: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class StagedXfer:
+    """Handle of one staged transfer (returned by post_read/post_write; pass it to poll/release)."""
+
+    peer_name: str
+    op: str  # "READ" or "WRITE"
+    num_runs: int
+    nbytes: int
+    num_chunks: int
+    chunks_done: int = 0
+    _id: int = 0
+    _chunks: Chunks | None = None
+    _notif: bytes = b""
+    _next: int = 0
+    _active: dict[int, _Chunk] = dataclasses.field(default_factory=dict)
+    _draining: list[tuple[Any, int | None, float]] = dataclasses.field(default_factory=list)
+    _state: XferState = XferState.IN_PROGRESS
+    _error: TransportError | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Serve:
+    """A peer's chunk we serve: queued for a slot, then holding one until FREE / SCATTER."""
+
+    peer: str
+    xfer: int
+    chunk: int
+    op: str  # "READ" (we gather, the peer reads) or "WRITE" (the peer writes, we scatter)
+    nbytes: int
+    runs: bytes = b""
+    slot: int = -1
+
+
+@dataclasses.dataclass
+class _Peer:
+    info: _StagedInfo
+    metadata: bytes
+    last_heard: float
+    probe: Any = None
+    dead: TransportError | None = None  # PeerDisconnectedError seen: gone until connect() with new metadata
+
+
+# Transport -----------------------------------------------------------------------------------
+class StagedTransport:
+    """The Transport Protocol around any inner Transport, through a bounded host pool.
+
+    Only the pool (and a 64-byte probe word) is registered with the inner transport; KV blocks
+    are gathered into pool slots of chunk_bytes, moved pool to pool, and scattered into the
+    destination KV cache, chunk by chunk, several chunks in flight. Both peers must wrap their
+    transport and connect() to each other (the responder answers over notifications). Everything
+    progresses inside poll() / get_notifs() / progress(); nothing blocks and no thread is started.
+
+    Slots are granted first come, first served; a transfer waiting for a slot rejoins the back of
+    the queue after each chunk, so concurrent transfers and peers interleave. Our own transfers
+    hold at most slots - 1 slots: one is always left for serving peers, so two transports that
+    stage towards each other cannot deadlock (with 2 slots a transfer moves one chunk at a time).
+    A peer we wait on is probed (1-byte inner READ of its pool) every probe_interval_s: a dead
+    peer fails its transfers with the inner transport's error (PeerDisconnectedError), and the
+    slots we held for it are freed. Inner ops still in flight when a transfer fails are polled
+    to their end (at most drain_timeout_s) before their slots are reused.
+    """
+
+    def __init__(self, inner: Transport, *, pool_bytes: int, chunk_bytes: int, copier: Copier | None = None,
+                 max_runs_per_chunk: int = 1024, probe_interval_s: float = 1.0,
+                 drain_timeout_s: float = 30.0) -> None:
+        if chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        if pool_bytes < 2 * chunk_bytes:
+            raise ConfigError(f"pool_bytes ({pool_bytes}) must hold at least 2 slots of chunk_bytes "
+                              f"({chunk_bytes}) so that chunks can be pipelined")
+        if max_runs_per_chunk < 1:
+            raise ConfigError(f"max_runs_per_chunk must be >= 1, got {max_runs_per_chunk}")
+        if probe_interval_s <= 0 or drain_timeout_s <= 0:
+            raise ConfigError("probe_interval_s and drain_timeout_s must be > 0 seconds")
+        self._inner = inner
+        self._pool_bytes = pool_bytes
+        self._chunk_bytes = chunk_bytes
+        self._slots = pool_bytes // chunk_bytes
+        self._copier = copier
+        self._max_runs = max_runs_per_chunk
+        self._probe_interval = probe_interval_s
+        self._drain_timeout = drain_timeout_s
+        self._pool: Any = None  # torch.Tensor once registered; never grows
+        self._probe_word: Any = None
+        self._pool_base = 0
+        self._kind = MemoryKind.HOST
+        self._device_id = 0
+        self._kv: list[tuple[int, int]] = []  # (start, end) of every registered KV region
+        self._kv_starts = np.zeros(0, np.int64)
+        self._kv_ends = np.zeros(0, np.int64)
+        self._free: collections.deque[int] = collections.deque(k * chunk_bytes for k in range(self._slots))
+        self._own_slots = 0  # slots held by our own transfers (at most slots - 1)
+        self._peak = 0
+        self._bytes_staged = 0
+        self._peers: dict[str, _Peer] = {}
+        self._xfers: dict[int, StagedXfer] = {}  # our unfinished transfers
+        self._aborting: list[StagedXfer] = []  # failed transfers whose inner ops are still draining
+        self._waiters: collections.deque[StagedXfer | _Serve] = collections.deque()
+        self._served: dict[tuple[str, int, int], _Serve] = {}
+        self._aborted: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        self._inbox: list[tuple[str, bytes]] = []
+        self._outbox: dict[str, list[_Msg]] = {}
+        self._outbox_bytes: dict[str, int] = {}
+        self._next_id = random.getrandbits(56)  # random start: a restarted peer does not reuse ids
+        self._next_probe_check = 0.0
+        self._closed = False
+        self._handlers = {_Stage: self._on_stage, _Ready: self._on_ready, _Free: self._on_free,
+                          _Want: self._on_want, _Slot: self._on_slot, _Scatter: self._on_scatter,
+                          _Scattered: self._on_scattered, _Error: self._on_error}
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    @property
+    def pool(self) -> Any:
+        """The pool tensor (torch uint8, pool_bytes long), None before register()."""
+        return self._pool
+
+    # Protocol: memory and peers ------------------------------------------------------------------
+    def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
+        """Allocate the pool and register it (only it) with the inner transport on the first call;
+        remember the layout's regions as the KV memory transfers may touch."""
+        self._require_open()
+        if self._pool is None:
+            self._allocate(kind, device_id)
+        elif (kind, device_id) != (self._kind, self._device_id):
+            raise TransportError(f"staging {self.name}: cannot mix {kind.value}:{device_id} KV memory with "
+                                 f"{self._kind.value}:{self._device_id}")
+        self._kv = sorted(self._kv + [(r.base, r.base + r.span) for r in layout.regions])
+        merged: list[list[int]] = []
+        for start, end in self._kv:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self._kv_starts = np.array([s for s, _ in merged], np.int64)
+        self._kv_ends = np.array([e for _, e in merged], np.int64)
+
+    def _allocate(self, kind: MemoryKind, device_id: int) -> None:
+        import torch
+
+        pin = kind is MemoryKind.DEVICE and torch.cuda.is_available()
+        pool = torch.empty(self._pool_bytes, dtype=torch.uint8, pin_memory=pin)
+        probe = torch.zeros(_PROBE_BYTES, dtype=torch.uint8)
+        base = pool.data_ptr()
+        regions = (Region(base, self._pool_bytes, self._pool_bytes, 1),
+                   Region(probe.data_ptr(), _PROBE_BYTES, _PROBE_BYTES, 1))
+        self._inner.register(KVLayout(num_blocks=1, block_size=1, regions=regions), MemoryKind.HOST, 0)
+        if self._copier is None:
+            self._copier = CudaCopier(device_id) if kind is MemoryKind.DEVICE else HostCopier()
+        self._pool, self._probe_word, self._pool_base = pool, probe, base
+        self._kind, self._device_id = kind, device_id
+        logger.info("staging %s: %d-byte host pool (%d slots of %d bytes, pinned=%s) for %s KV memory",
+                    self.name, self._pool_bytes, self._slots, self._chunk_bytes, pin, kind.value)
+
+    def local_metadata(self) -> bytes:
+        """The inner transport's metadata plus where our pool is."""
+        self._require_pool()
+        info = _StagedInfo(self._inner.local_metadata(), self._pool_base, self._pool_bytes,
+                           self._chunk_bytes, self._max_runs)
+        return _MD_MAGIC + msgspec.msgpack.encode(info)
+
+    def connect(self, peer_name: str, peer_metadata: bytes) -> None:
+        """Connect the inner transport; a new incarnation of a known peer fails its old transfers."""
+        self._require_open()
+        if not peer_metadata.startswith(_MD_MAGIC):
+            raise TransportError(f"peer {peer_name} metadata is not from a StagedTransport (both sides must stage)")
+        try:
+            info = msgspec.msgpack.decode(peer_metadata[len(_MD_MAGIC):], type=_StagedInfo)
+        except msgspec.DecodeError as e:
+            raise TransportError(f"malformed staging metadata from {peer_name}: {e}") from e
+        old = self._peers.get(peer_name)
+        if old is not None and old.metadata == peer_metadata:
+            return
+        if old is not None:
+            self._forget(peer_name, PeerDisconnectedError(f"staging peer {peer_name} was replaced (reconnected)"))
+        self._inner.connect(peer_name, info.inner)
+        self._peers[peer_name] = _Peer(info, bytes(peer_metadata), time.monotonic())
+
+    def disconnect(self, peer_name: str) -> None:
+        """Forget a peer: its transfers fail, the slots we hold for it are freed."""
+        self._require_open()
+        if peer_name in self._peers:
+            self._forget(peer_name, PeerDisconnectedError(f"staging peer {peer_name} disconnected"))
+        self._inner.disconnect(peer_name)
+
+    def _forget(self, peer_name: str, err: TransportError) -> None:
+        for x in [x for x in self._xfers.values() if x.peer_name == peer_name]:
+            self._fail(x, err)
+        self._drop_served(peer_name)
+        peer = self._peers.pop(peer_name)
+        if peer.probe is not None:
+            self._inner.release(peer.probe)
+
+    # Protocol: transfers ---------------------------------------------------------------------------
+    def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer:
+        """Pull plan.src (peer KV) into plan.dst (ours) chunk by chunk; notif reaches the peer after all."""
+        return self._post("READ", peer_name, plan, notif)
+
+    def post_write(self, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer:
+        """Push plan.src (ours) into plan.dst (peer KV) chunk by chunk; notif reaches the peer after all."""
+        return self._post("WRITE", peer_name, plan, notif)
+
+    def _post(self, op: str, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer:
+        """Argument errors raise here; engine and peer errors surface in poll()."""
+        self._require_pool()
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise TransportError(f"staging peer {peer_name!r} is not connected (call connect first)")
+        if peer.dead is not None:
+            raise PeerDisconnectedError(f"staging peer {peer_name} is gone ({peer.dead}); connect it again "
+                                        "once it has restarted")
+        self._check_kv(plan.dst if op == "READ" else plan.src, plan.length, f"local side of {op}")
+        chunks = chunk_plan(plan, min(self._chunk_bytes, peer.info.chunk_bytes),
+                            min(self._max_runs, peer.info.max_runs))
+        self._next_id += 1
+        x = StagedXfer(peer_name, op, plan.num_runs, plan.total_bytes, chunks.num_chunks, _id=self._next_id,
+                       _chunks=chunks, _notif=bytes(notif))
+        if chunks.num_chunks == 0:
+            if notif:
+                self._inner.send_notif(peer_name, _user_bytes(notif))
+            x._state = XferState.DONE
+            return x
+        self._xfers[x._id] = x
+        self._waiters.append(x)
+        logger.debug("staged %s %s: %d runs, %d bytes, %d chunks", op, peer_name, plan.num_runs,
+                     plan.total_bytes, chunks.num_chunks)
+        self._grant()
+        self._flush()
+        return x
+
+    def poll(self, handle: StagedXfer) -> XferState:
+        """Advance all staging work, then DONE or IN_PROGRESS; raises the transfer's typed error."""
+        self.progress()  # also for a finished handle: peers may be waiting on us
+        if handle._error is not None:
+            raise handle._error
+        return handle._state
+
+    def release(self, handle: StagedXfer) -> None:
+        """Forget a handle; an unfinished transfer is aborted and its slots freed. Never raises."""
+        try:
+            if handle._state is not XferState.DONE and handle._error is None:
+                self._fail(handle, TransportError(
+                    f"staged {handle.op} with {handle.peer_name}: released before completion"))
+                self._flush()
+        except Exception as e:  # release must never raise (error paths call it)
+            logger.warning("staging %s: releasing a transfer failed: %s", self.name, e)
+
+    def send_notif(self, peer_name: str, msg: bytes) -> None:
+        """Send a user message (escaped if it looks like a staging message)."""
+        self._require_open()
+        self._inner.send_notif(peer_name, _user_bytes(msg))
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """User messages received since the last call; staging messages are consumed here."""
+        self.progress()
+        out, self._inbox = self._inbox, []
+        return out
+
+    def pool_stats(self) -> dict[str, int]:
+        """Pool size and use: the pool is allocated once and never grows."""
+        return {
+            "pool_bytes": self._pool_bytes,
+            "allocated_bytes": 0 if self._pool is None else int(self._pool.numel()),
+            "chunk_bytes": self._chunk_bytes,
+            "slots": self._slots,
+            "slots_in_use": self._slots - len(self._free),
+            "peak_slots_in_use": self._peak,
+            "bytes_staged": self._bytes_staged,
+            "queued": len(self._waiters),
+        }
+
+    def close(self) -> None:
+        """Abort transfers and close the inner transport. Idempotent; never raises."""
+        if self._closed:
+            return
+        try:
+            for x in list(self._xfers.values()):
+                self._fail(x, TransportError(f"staging transport {self.name} closed"))
+            self._flush()
+        except Exception as e:  # close must never raise: it runs on shutdown and error paths
+            logger.warning("staging %s: error while closing: %s", self.name, e)
+        finally:
+            self._closed = True
+            self._inner.close()
+            self._pool = self._probe_word = None
+
+    def __enter__(self) -> StagedTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Progress --------------------------------------------------------------------------------------
+    def progress(self) -> None:
+        """Handle messages, poll inner ops, hand free slots out, probe silent peers. Never blocks."""
+        self._require_open()
+        for peer_name, msg in self._inner.get_notifs():
+            if msg.startswith(_MSG_MAGIC):
+                self._dispatch(peer_name, msg)
+            else:
+                self._inbox.append((peer_name, msg))
+        self._poll_ops()
+        self._grant()
+        self._probe_peers()
+        self._flush()
+
+    def _dispatch(self, peer_name: str, raw: bytes) -> None:
+        try:
+            msgs = _DEC.decode(raw[len(_MSG_MAGIC):])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.warning("staging %s: dropped a malformed message from %s: %s", self.name, peer_name, e)
+            return
+        for msg in msgs:
+            if isinstance(msg, _User):
+                self._inbox.append((peer_name, msg.payload))
+                continue
+            peer = self._peers.get(peer_name)
+            if peer is None or peer.dead is not None:
+                logger.debug("staging %s: dropped %s from unknown or gone peer %s", self.name,
+                             type(msg).__name__, peer_name)
+                continue
+            peer.last_heard = time.monotonic()
+            self._handlers[type(msg)](peer_name, msg)
+
+    def _poll_ops(self) -> None:
+        for x in list(self._xfers.values()):
+            for c in list(x._active.values()):
+                if c.inner is not None and x._error is None:
+                    self._poll_chunk(x, c)
+        for x in list(self._aborting):
+            self._drain(x)
+        now = time.monotonic()
+        for name, peer in list(self._peers.items()):
+            if peer.probe is None:
+                continue
+            try:
+                state = self._inner.poll(peer.probe)
+            except TransportError as e:
+                self._inner.release(peer.probe)
+                peer.probe = None
+                self._probe_failed(name, e)
+                continue
+            if state is XferState.DONE:
+                self._inner.release(peer.probe)
+                peer.probe, peer.last_heard = None, now
+
+    def _poll_chunk(self, x: StagedXfer, c: _Chunk) -> None:
+        try:
+            state = self._inner.poll(c.inner)
+        except TransportError as e:
+            self._inner.release(c.inner)
+            c.inner = None
+            self._fail(x, e)
+            return
+        if state is XferState.IN_PROGRESS:
+            return
+        self._inner.release(c.inner)
+        c.inner = None
+        self._peers[x.peer_name].last_heard = time.monotonic()
+        try:
+            if c.phase is _Phase.READING:
+                self._scatter_local(x, c)
+            else:
+                self._give(c.slot, own=True)
+                c.slot = None
+                c.phase = _Phase.WAIT_SCATTERED
+                if c.scattered:
+                    self._chunk_done(x, c)
+        except TransportError as e:
+            self._fail(x, e)
+        self._grant()  # the freed slot starts the next chunk now: keeps the peer busy
+
+    def _scatter_local(self, x: StagedXfer, c: _Chunk) -> None:
+        """READ: the chunk is in our slot; copy it into our KV cache, free both slots."""
+        assert x._chunks is not None and c.slot is not None
+        sl = x._chunks.pieces(c.index)
+        base = self._pool_base + c.slot
+        self._copy(zip(x._chunks.dst[sl].tolist(), (base + x._chunks.slot_off[sl]).tolist(),
+                       x._chunks.length[sl].tolist()))
+        self._give(c.slot, own=True)
+        c.slot = None
+        self._send(x.peer_name, _Free(x._id, c.index, c.remote_off))
+        self._chunk_done(x, c)
+
+    def _chunk_done(self, x: StagedXfer, c: _Chunk) -> None:
+        if x._active.pop(c.index, None) is None:
+            return  # the transfer failed meanwhile (e.g. while flushing messages)
+        x.chunks_done += 1
+        if x.chunks_done < x.num_chunks:
+            return
+        if x._notif:  # every chunk is in the destination KV cache: the user's notification follows
+            self._flush(x.peer_name)
+            try:
+                self._inner.send_notif(x.peer_name, _user_bytes(x._notif))
+            except TransportError as e:
+                self._fail(x, e)
+                return
+        x._state = XferState.DONE
+        self._xfers.pop(x._id, None)
+        logger.debug("staged %s %s done: %d bytes in %d chunks", x.op, x.peer_name, x.nbytes, x.num_chunks)
+
+    def _grant(self) -> None:
+        """Hand free slots to waiters in arrival order (our transfers only up to slots - 1)."""
+        while self._free and self._waiters:
+            pick = next((i for i, w in enumerate(self._waiters)
+                         if isinstance(w, _Serve) or self._own_slots < self._slots - 1), None)
+            if pick is None:
+                return
+            waiter = self._waiters[pick]
+            del self._waiters[pick]
+            if isinstance(waiter, _Serve):
+                self._start_serving(waiter)
+            else:
+                self._start_chunk(waiter)
+
+    def _start_chunk(self, x: StagedXfer) -> None:
+        assert x._chunks is not None
+        k = x._next
+        x._next += 1
+        if x._next < x.num_chunks:
+            self._waiters.append(x)  # back of the queue: transfers take turns
+        c = _Chunk(k, self._take(own=True), x._chunks.nbytes(k), _Phase.WAIT_READY)
+        x._active[k] = c
+        sl = x._chunks.pieces(k)
+        try:
+            if x.op == "READ":
+                self._send(x.peer_name, _Stage(x._id, k, _pack_runs(x._chunks.src[sl], x._chunks.length[sl])))
+            else:
+                base = self._pool_base + c.slot
+                self._copy(zip((base + x._chunks.slot_off[sl]).tolist(), x._chunks.src[sl].tolist(),
+                               x._chunks.length[sl].tolist()))
+                c.phase = _Phase.WAIT_SLOT
+                self._send(x.peer_name, _Want(x._id, k, c.nbytes))
+        except TransportError as e:
+            self._fail(x, e)
+
+    def _start_serving(self, s: _Serve) -> None:
+        s.slot = self._take(own=False)
+        self._served[(s.peer, s.xfer, s.chunk)] = s
+        try:
+            if s.op == "READ":
+                addr, length = _unpack_runs(s.runs)
+                offs = np.cumsum(length) - length + self._pool_base + s.slot
+                self._copy(zip(offs.tolist(), addr.tolist(), length.tolist()))
+                self._send(s.peer, _Ready(s.xfer, s.chunk, s.slot))
+            else:
+                self._send(s.peer, _Slot(s.xfer, s.chunk, s.slot))
+        except TransportError as e:
+            self._unserve(s)
+            self._send(s.peer, _Error(s.xfer, True, _kind(e), str(e)))
+
+    # Message handlers: responder side ------------------------------------------------------------
+    def _on_stage(self, peer: str, m: _Stage) -> None:
+        if (peer, m.xfer) in self._aborted:
+            return
+        try:
+            addr, length = _unpack_runs(m.runs)
+            self._check_kv(addr, length, f"runs requested by {peer}")
+            nbytes = int(length.sum())
+            if not 0 < nbytes <= self._chunk_bytes:
+                raise TransportError(f"chunk of {nbytes} bytes does not fit a {self._chunk_bytes}-byte slot")
+        except TransportError as e:
+            self._send(peer, _Error(m.xfer, True, 0, f"staging {self.name}: {e}"))
+            return
+        self._waiters.append(_Serve(peer, m.xfer, m.chunk, "READ", nbytes, m.runs))
+
+    def _on_want(self, peer: str, m: _Want) -> None:
+        if (peer, m.xfer) in self._aborted:
+            return
+        if not 0 < m.nbytes <= self._chunk_bytes:
+            reason = f"staging {self.name}: chunk of {m.nbytes} bytes does not fit a {self._chunk_bytes}-byte slot"
+            self._send(peer, _Error(m.xfer, True, 0, reason))
+            return
+        self._waiters.append(_Serve(peer, m.xfer, m.chunk, "WRITE", m.nbytes))
+
+    def _on_free(self, peer: str, m: _Free) -> None:
+        s = self._served.get((peer, m.xfer, m.chunk))
+        if s is not None and s.slot == m.offset:
+            self._unserve(s)
+            self._grant()
+
+    def _on_scatter(self, peer: str, m: _Scatter) -> None:
+        s = self._served.get((peer, m.xfer, m.chunk))
+        if s is None or s.op != "WRITE" or s.slot != m.offset:
+            logger.debug("staging %s: dropped a stale SCATTER from %s", self.name, peer)
+            return
+        try:
+            addr, length = _unpack_runs(m.runs)
+            self._check_kv(addr, length, f"runs written by {peer}")
+            if int(length.sum()) != s.nbytes:
+                raise TransportError(f"SCATTER of {int(length.sum())} bytes into a slot granted for {s.nbytes}")
+            offs = np.cumsum(length) - length + self._pool_base + s.slot
+            self._copy(zip(addr.tolist(), offs.tolist(), length.tolist()))
+        except TransportError as e:
+            self._unserve(s)
+            self._send(peer, _Error(m.xfer, True, _kind(e), f"staging {self.name}: {e}"))
+            return
+        self._unserve(s)
+        self._send(peer, _Scattered(m.xfer, m.chunk))
+        self._grant()
+
+    def _unserve(self, s: _Serve) -> None:
+        if self._served.pop((s.peer, s.xfer, s.chunk), None) is not None:
+            self._give(s.slot, own=False)
+
+    def _drop_served(self, peer: str, xfer: int | None = None) -> None:
+        """Free the slots held for a peer's transfer (every transfer if xfer is None), drop its queue."""
+        for s in [s for s in self._served.values() if s.peer == peer and xfer in (None, s.xfer)]:
+            self._unserve(s)
+        self._waiters = collections.deque(
+            w for w in self._waiters if not (isinstance(w, _Serve) and w.peer == peer and xfer in (None, w.xfer)))
+
+    # Message handlers: initiator side ------------------------------------------------------------
+    def _mine(self, peer: str, xfer: int, chunk: int, *phases: _Phase) -> tuple[StagedXfer, _Chunk] | None:
+        x = self._xfers.get(xfer)
+        c = x._active.get(chunk) if x is not None and x.peer_name == peer else None
+        return (x, c) if x is not None and c is not None and c.phase in phases else None
+
+    def _on_ready(self, peer: str, m: _Ready) -> None:
+        found = self._mine(peer, m.xfer, m.chunk, _Phase.WAIT_READY)
+        if found is None:
+            self._send(peer, _Free(m.xfer, m.chunk, m.offset))  # stale: let the peer free its slot
+            return
+        x, c = found
+        c.remote_off = m.offset
+        self._post_inner(x, c, m.offset, _Phase.READING, b"")
+
+    def _on_slot(self, peer: str, m: _Slot) -> None:
+        found = self._mine(peer, m.xfer, m.chunk, _Phase.WAIT_SLOT)
+        if found is None:
+            self._send(peer, _Free(m.xfer, m.chunk, m.offset))
+            return
+        x, c = found
+        assert x._chunks is not None
+        sl = x._chunks.pieces(c.index)
+        scatter = _Scatter(x._id, c.index, m.offset, _pack_runs(x._chunks.dst[sl], x._chunks.length[sl]))
+        c.remote_off = m.offset
+        self._post_inner(x, c, m.offset, _Phase.WRITING, _MSG_MAGIC + _ENC.encode([scatter]))
+
+    def _post_inner(self, x: StagedXfer, c: _Chunk, remote_off: int, phase: _Phase, notif: bytes) -> None:
+        """Post the pool-to-pool move of one chunk between our slot and the peer's."""
+        assert c.slot is not None
+        info = self._peers[x.peer_name].info
+        if not (0 <= remote_off and remote_off + c.nbytes <= info.pool_bytes):
+            self._fail(x, TransportError(f"staging peer {x.peer_name} offered slot {remote_off} outside its pool"))
+            return
+        local, remote = self._pool_base + c.slot, info.pool_base + remote_off
+        try:
+            if phase is _Phase.READING:
+                c.inner = self._inner.post_read(x.peer_name, _one_run(remote, local, c.nbytes), notif)
+            else:
+                c.inner = self._inner.post_write(x.peer_name, _one_run(local, remote, c.nbytes), notif)
+        except TransportError as e:
+            self._fail(x, e)
+            return
+        c.phase = phase
+        self._poll_chunk(x, c)  # engines that copy inside post are done already: free the slot at once
+
+    def _on_scattered(self, peer: str, m: _Scattered) -> None:
+        found = self._mine(peer, m.xfer, m.chunk, _Phase.WRITING, _Phase.WAIT_SCATTERED)
+        if found is None:
+            return
+        x, c = found
+        c.scattered = True
+        if c.phase is _Phase.WAIT_SCATTERED:
+            self._chunk_done(x, c)
+
+    def _on_error(self, peer: str, m: _Error) -> None:
+        if not m.to_initiator:
+            self._drop_served(peer, m.xfer)
+            self._aborted[(peer, m.xfer)] = None
+            while len(self._aborted) > _ABORTED_MEMORY:
+                self._aborted.popitem(last=False)
+            return
+        x = self._xfers.get(m.xfer)
+        if x is not None and x.peer_name == peer:
+            cls = _ERROR_KINDS[m.kind] if 0 <= m.kind < len(_ERROR_KINDS) else TransportError
+            self._fail(x, cls(f"staged {x.op} with {peer}: the peer reported: {m.reason}"))
+
+    # Failures ------------------------------------------------------------------------------------
+    def _fail(self, x: StagedXfer, err: TransportError) -> None:
+        """Fail a transfer: free its idle slots now, drain its inner ops, then tell the peer."""
+        if x._state is XferState.DONE or x._error is not None:
+            return
+        x._error = err
+        self._xfers.pop(x._id, None)
+        self._waiters = collections.deque(w for w in self._waiters if w is not x)
+        logger.debug("staged %s with %s failed: %s", x.op, x.peer_name, err)
+        if isinstance(err, PeerDisconnectedError):
+            self._mark_dead(x.peer_name, err)
+        deadline = time.monotonic() + self._drain_timeout
+        for c in x._active.values():
+            if c.inner is not None:
+                x._draining.append((c.inner, c.slot, deadline))
+            elif c.slot is not None:
+                self._give(c.slot, own=True)
+        x._active.clear()
+        self._aborting.append(x)
+        self._drain(x)  # the peer hears of it once no write of ours can land in its slots
+
+    def _drain(self, x: StagedXfer) -> None:
+        keep = []
+        now = time.monotonic()
+        peer = self._peers.get(x.peer_name)
+        gone = peer is None or peer.dead is not None  # nothing more can arrive: released handles are over
+        for handle, slot, deadline in x._draining:
+            try:
+                over = gone or self._inner.poll(handle) is XferState.DONE
+            except TransportError:
+                over = True
+            if not over and now > deadline:
+                logger.warning("staging %s: an aborted %s to %s did not end in %.0f s; reusing its slot",
+                               self.name, x.op, x.peer_name, self._drain_timeout)
+                over = True
+            if over:
+                self._inner.release(handle)
+                if slot is not None:
+                    self._give(slot, own=True)
+            else:
+                keep.append((handle, slot, deadline))
+        x._draining = keep
+        if not keep:
+            self._aborting.remove(x)
+            err = x._error or TransportError("aborted")
+            self._send(x.peer_name, _Error(x._id, False, _kind(err), str(err)))
+
+    def _probe_peers(self) -> None:
+        """Probe each peer we wait on that has been silent for probe_interval_s."""
+        now = time.monotonic()
+        if now < self._next_probe_check:
+            return
+        self._next_probe_check = now + self._probe_interval / 4
+        busy = {x.peer_name for x in self._xfers.values()} | {key[0] for key in self._served}
+        for name in busy:
+            peer = self._peers.get(name)
+            if peer is None or peer.probe is not None or now - peer.last_heard < self._probe_interval:
+                continue
+            try:
+                plan = _one_run(peer.info.pool_base, self._probe_word.data_ptr(), 1)
+                peer.probe = self._inner.post_read(name, plan, b"")
+            except TransportError as e:
+                self._probe_failed(name, e)
+
+    def _probe_failed(self, name: str, err: TransportError) -> None:
+        logger.warning("staging %s: liveness probe of %s failed: %s", self.name, name, err)
+        failed = type(err)(f"staging peer {name} failed a liveness probe: {err}")
+        for x in [x for x in self._xfers.values() if x.peer_name == name]:
+            self._fail(x, failed)  # a PeerDisconnectedError also marks the peer dead
+        if name in self._peers:
+            self._peers[name].last_heard = time.monotonic()
+
+    def _mark_dead(self, name: str, err: TransportError) -> None:
+        """The engine says the peer is gone: fail its transfers, free what we held for it, send it nothing more."""
+        peer = self._peers.get(name)
+        if peer is None or peer.dead is not None:
+            return
+        peer.dead = err
+        logger.warning("staging %s: peer %s is gone: %s", self.name, name, err)
+        if peer.probe is not None:
+            self._inner.release(peer.probe)
+            peer.probe = None
+        for x in [x for x in self._xfers.values() if x.peer_name == name]:
+            self._fail(x, err)
+        self._drop_served(name)
+
+    # Helpers -------------------------------------------------------------------------------------
+    def _take(self, own: bool) -> int:
+        slot = self._free.popleft()
+        self._own_slots += own
+        self._peak = max(self._peak, self._slots - len(self._free))
+        return slot
+
+    def _give(self, slot: int | None, own: bool) -> None:
+        assert slot is not None
+        self._free.append(slot)
+        self._own_slots -= own
+
+    def _copy(self, pairs: Any) -> None:
+        """Copy (dst, src, length) triples with the copier and wait for them; errors become TransportError."""
+        assert self._copier is not None
+        batch = list(pairs)
+        try:
+            self._copier.copy(batch)
+            self._copier.synchronize()
+        except TransportError:
+            raise
+        except Exception as e:
+            raise TransportError(f"staging {self.name}: copy failed: {type(e).__name__}: {e}") from e
+        self._bytes_staged += sum(n for _, _, n in batch)
+
+    def _send(self, peer: str, msg: _Msg) -> None:
+        """Queue a message; a peer's queue goes out as one notification (see _flush). Messages to a
+        peer that is gone are dropped (its transfers have failed already)."""
+        state = self._peers.get(peer)
+        if state is None or state.dead is not None:
+            return
+        queue = self._outbox.setdefault(peer, [])
+        queue.append(msg)
+        self._outbox_bytes[peer] = self._outbox_bytes.get(peer, 0) + 32 + len(getattr(msg, "runs", b""))
+        if self._outbox_bytes[peer] >= _BATCH_BYTES:
+            self._flush(peer)
+
+    def _flush(self, only: str | None = None) -> None:
+        """Send the queued messages (one notification per peer); a failure fails that peer's transfers."""
+        for peer in [only] if only is not None else list(self._outbox):
+            msgs = self._outbox.pop(peer, None)
+            self._outbox_bytes.pop(peer, None)
+            if not msgs:
+                continue
+            try:
+                self._inner.send_notif(peer, _MSG_MAGIC + _ENC.encode(msgs))
+            except TransportError as e:
+                logger.debug("staging %s: could not send %d messages to %s: %s", self.name, len(msgs), peer, e)
+                if isinstance(e, PeerDisconnectedError):
+                    self._mark_dead(peer, e)
+                for x in [x for x in self._xfers.values() if x.peer_name == peer]:
+                    self._fail(x, e)
+
+    def _check_kv(self, addr: np.ndarray, length: np.ndarray, what: str) -> None:
+        """Every run must lie inside registered KV memory (copies use raw addresses)."""
+        if addr.size == 0:
+            return
+        idx = np.searchsorted(self._kv_starts, addr, side="right") - 1
+        inside = (idx >= 0) & (length >= 0) & (addr + length <= self._kv_ends[np.maximum(idx, 0)]) \
+            if self._kv_starts.size else np.zeros(addr.shape, bool)
+        if not inside.all():
+            bad = int(np.flatnonzero(~inside)[0])
+            raise TransportError(f"{what}: run {bad} ({int(addr[bad]):#x}, {int(length[bad])} bytes) is not "
+                                 "inside registered KV memory")
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"staging transport {self.name} is closed")
+
+    def _require_pool(self) -> None:
+        self._require_open()
+        if self._pool is None:
+            raise TransportError(f"staging transport {self.name}: call register() first")
+
+
+def _kind(err: TransportError) -> int:
+    """Index of the error's most specific class in _ERROR_KINDS (sent in _Error)."""
+    return max((i for i, cls in enumerate(_ERROR_KINDS) if isinstance(err, cls)), default=0)

@@ -1,0 +1,46 @@
+"""CPU staging (bounded host pool, chunked and pipelined) with real vLLM servers, NIXL pull and Mooncake push."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kv_connectors.testing.cluster import (
+    ENTRY_POINT_FORM, MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM, MOONCAKE_MODULE_FORM, ProxyProcess, pd_server, stats,
+)
+from tests.e2e.checks import LENGTHS, assert_pd_matches_colocated
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+# The longest prompt's KV is 16 blocks x 32 KiB = 512 KiB: four times the pool, so chunking runs.
+STAGING = {"staging": "on", "staging_pool_kib": 128, "staging_chunk_kib": 32}
+KV_BYTES_PER_BLOCK = 32 * 1024
+
+SETUPS = {
+    "nixl-pull": (MODULE_FORM, ENTRY_POINT_FORM, {"mode": "pull"}),
+    "mooncake-push": (MOONCAKE_MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM, {"mode": "push"}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SETUPS))
+def staged_pair(request, tiny_model) -> Iterator[tuple]:
+    p_form, d_form, d_extra = SETUPS[request.param]
+    p = pd_server(tiny_model, "kv_producer", form=p_form, name=f"P-staged-{request.param}",
+                  max_model_len=MAX_MODEL_LEN, extra_config=STAGING)
+    d = pd_server(tiny_model, "kv_consumer", form=d_form, name=f"D-staged-{request.param}",
+                  max_model_len=MAX_MODEL_LEN, extra_config={**STAGING, **d_extra, "transfer_timeout_s": 20})
+    with p, d, ProxyProcess([p.url], [d.url]) as proxy:
+        proxy.wait_ready()
+        yield p, d, proxy
+
+
+def test_staged_greedy_equals_colocated_within_pool_bound(reference, staged_pair):
+    p, d, proxy = staged_pair
+    assert max(LENGTHS) * 1.0 / 32 * KV_BYTES_PER_BLOCK > STAGING["staging_pool_kib"] * 1024, "no chunking"
+    assert_pd_matches_colocated(reference, p, d, proxy)
+    bound = STAGING["staging_pool_kib"] * 1024
+    for server in (p, d):
+        s = stats(server)
+        assert s.staging_pool_bytes == bound, "staging is not on"
+        assert s.staging_allocated_bytes == bound, "the pool grew beyond its configured size"
+        assert 0 < s.staging_peak_bytes <= bound
