@@ -339,9 +339,12 @@ class StagedTransport:
     hold at most slots - 1 slots: one is always left for serving peers, so two transports that
     stage towards each other cannot deadlock (with 2 slots a transfer moves one chunk at a time).
     A peer we wait on is probed (1-byte inner READ of its pool) every probe_interval_s: a dead
-    peer fails its transfers with the inner transport's error (PeerDisconnectedError), and the
-    slots we held for it are freed. Inner ops still in flight when a transfer fails are polled
-    to their end (at most drain_timeout_s) before their slots are reused.
+    peer fails its transfers with the inner transport's error (PeerDisconnectedError), the slots
+    we held for it are freed, and it stays gone (posts raise PeerDisconnectedError) until
+    connect() brings new metadata (a restarted peer). Inner ops still in flight when a transfer
+    fails are polled to their end (at most drain_timeout_s) before their slots are reused; the
+    peer hears of the failure (ERROR) only then, so no late write of ours lands in a reused slot.
+    Staging messages ride the inner transport's notifications, batched per peer and per call.
     """
 
     def __init__(self, inner: Transport, *, pool_bytes: int, chunk_bytes: int, copier: Copier | None = None,
@@ -424,15 +427,15 @@ class StagedTransport:
     def _allocate(self, kind: MemoryKind, device_id: int) -> None:
         import torch
 
-        pin = kind is MemoryKind.DEVICE and torch.cuda.is_available()
+        if self._copier is None:
+            self._copier = CudaCopier(device_id) if kind is MemoryKind.DEVICE else HostCopier()
+        pin = kind is MemoryKind.DEVICE and torch.cuda.is_available()  # pinned: copies to it are async DMA
         pool = torch.empty(self._pool_bytes, dtype=torch.uint8, pin_memory=pin)
         probe = torch.zeros(_PROBE_BYTES, dtype=torch.uint8)
         base = pool.data_ptr()
         regions = (Region(base, self._pool_bytes, self._pool_bytes, 1),
                    Region(probe.data_ptr(), _PROBE_BYTES, _PROBE_BYTES, 1))
         self._inner.register(KVLayout(num_blocks=1, block_size=1, regions=regions), MemoryKind.HOST, 0)
-        if self._copier is None:
-            self._copier = CudaCopier(device_id) if kind is MemoryKind.DEVICE else HostCopier()
         self._pool, self._probe_word, self._pool_base = pool, probe, base
         self._kind, self._device_id = kind, device_id
         logger.info("staging %s: %d-byte host pool (%d slots of %d bytes, pinned=%s) for %s KV memory",
@@ -928,7 +931,8 @@ class StagedTransport:
                 self._probe_failed(name, e)
 
     def _probe_failed(self, name: str, err: TransportError) -> None:
-        logger.warning("staging %s: liveness probe of %s failed: %s", self.name, name, err)
+        if not isinstance(err, PeerDisconnectedError):  # a dead peer is logged once, by _mark_dead
+            logger.warning("staging %s: liveness probe of %s failed: %s", self.name, name, err)
         failed = type(err)(f"staging peer {name} failed a liveness probe: {err}")
         for x in [x for x in self._xfers.values() if x.peer_name == name]:
             self._fail(x, failed)  # a PeerDisconnectedError also marks the peer dead
@@ -1006,9 +1010,10 @@ class StagedTransport:
         """Every run must lie inside registered KV memory (copies use raw addresses)."""
         if addr.size == 0:
             return
+        if self._kv_starts.size == 0:
+            raise TransportError(f"{what}: no KV memory is registered")
         idx = np.searchsorted(self._kv_starts, addr, side="right") - 1
-        inside = (idx >= 0) & (length >= 0) & (addr + length <= self._kv_ends[np.maximum(idx, 0)]) \
-            if self._kv_starts.size else np.zeros(addr.shape, bool)
+        inside = (idx >= 0) & (length >= 0) & (addr + length <= self._kv_ends[np.maximum(idx, 0)])
         if not inside.all():
             bad = int(np.flatnonzero(~inside)[0])
             raise TransportError(f"{what}: run {bad} ({int(addr[bad]):#x}, {int(length[bad])} bytes) is not "

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from kv_connectors import staging
-from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError
+from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError, TransportUnavailableError
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.staging import StagedTransport, StagedXfer, chunk_plan
-from kv_connectors.transport import XferState
+from kv_connectors.transport import MemoryKind, XferState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -622,3 +622,66 @@ def test_peer_killed_mid_transfer(kind: str, when: str) -> None:
         if loc is not None:
             close_local(loc)
         stop_peers(peers)
+
+
+# CUDA (exercised where a GPU is present; elsewhere the refusal is what is checked) --------------
+def test_cuda_copier() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(TransportUnavailableError):
+            staging.CudaCopier(0)
+        return
+    dev = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
+    dev.add_(1)  # queued on the compute stream: the copier must order itself after it
+    host = torch.zeros(1 << 16, dtype=torch.uint8, pin_memory=True)
+    copier = staging.CudaCopier(0)
+    copier.copy([(host.data_ptr(), dev.data_ptr() + 4096, 8192), (host.data_ptr() + 8192, dev.data_ptr(), 4096)])
+    copier.synchronize()
+    want = dev.cpu()
+    assert torch.equal(host[:8192], want[4096:12288]) and torch.equal(host[8192:12288], want[:4096])
+    back = torch.zeros_like(dev)
+    copier.copy([(back.data_ptr() + 100, host.data_ptr(), 12288)])
+    copier.synchronize()
+    assert torch.equal(back[100:12388].cpu(), host[:12288]) and int(back[:100].sum()) == 0
+
+
+def test_device_kv_through_a_pinned_pool(kind: str, peers: list[Peer]) -> None:
+    """DEVICE memory: gather/scatter with CudaCopier into a pinned pool; only the pool is registered."""
+    import torch
+
+    if not torch.cuda.is_available():
+        t = make_staged(kind, f"dev{next(_names)}-{os.getpid()}")
+        with t, pytest.raises(TransportUnavailableError):
+            t.register(layout_of(make_kv(100)), MemoryKind.DEVICE, 0)
+        assert t.pool is None
+        return
+    p = peers[0]
+    assert p.call("reset", p.seed) == "ok"
+    host = make_kv(100)
+    dev = [torch.from_numpy(a).cuda() for a in host]
+    views = [dev[0], dev[1], dev[2][:, :1024]]
+    layout = build_layout([TensorInfo(f"t{i}", v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.element_size())
+                           for i, v in enumerate(views)], NB, block_size=16)
+    t = make_staged(kind, f"dev{next(_names)}-{os.getpid()}")
+    try:
+        t.register(layout, MemoryKind.DEVICE, 0)
+        assert t.pool.is_pinned()
+        t.connect(p.name, p.metadata)
+        assert p.call("connect", t.name, t.local_metadata()) == "ok"
+        src_ids, dst_ids = pick_blocks(seed=16)
+        expected = [a.copy() for a in host]
+        block_copy(expected, make_kv(p.seed), src_ids, dst_ids)
+        wait_all(t, [t.post_read(p.name, plan_transfer(p.layout, src_ids, layout, dst_ids), b"to-gpu")])
+        for got, want in zip(dev, expected):
+            np.testing.assert_array_equal(got.cpu().numpy(), want)
+        p.wait_notif(t.name, b"to-gpu")
+        back = pick_blocks(seed=17)
+        expected_p = make_kv(p.seed)
+        block_copy(expected_p, expected, *back)
+        wait_all(t, [t.post_write(p.name, plan_transfer(layout, back[0], p.layout, back[1]), b"from-gpu")])
+        assert p.wait_notif(t.name, b"from-gpu") == digest(expected_p)
+    finally:
+        if p.proc.is_alive():
+            p.call("disconnect", t.name)
+        t.close()
