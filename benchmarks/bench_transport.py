@@ -118,7 +118,11 @@ def serve_p(conn: Connection, shape: Shape, args: argparse.Namespace) -> None:
     """P: owns the source KV cache; answers ("notifs",) with the count received and ("stop",)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     kv = make_kv(shape)
-    fill_pattern(kv, shape)
+    if args.mode == "pull":
+        fill_pattern(kv, shape)  # D reads these blocks
+    else:
+        for t in kv:
+            words(t)[:] = SENTINEL  # the other process writes into these blocks
     transport = maybe_staged(make_transport(args.transport, "bench-p", args), args)
     idle_s = args.poll_us / 1e6 if args.staging == "on" else 0.01  # a staging P takes part in every chunk
     try:
@@ -137,6 +141,13 @@ def serve_p(conn: Connection, shape: Shape, args: argparse.Namespace) -> None:
                 if cmd[0] == "stop":
                     conn.send(received)
                     return
+                if cmd[0] == "verify":  # push: the written blocks must hold the sources exactly
+                    try:
+                        verify(kv, shape, cmd[1], cmd[2])
+                        conn.send("ok")
+                    except SystemExit as e:
+                        conn.send(str(e))
+                    continue
                 conn.send(received)
     except (EOFError, BrokenPipeError):
         return
@@ -162,10 +173,12 @@ def wait_notifs(conn: Connection, expected: int, timeout: float = 10.0) -> int:
         time.sleep(0.01)
 
 
-def run_xfer(t: Transport, plan: TransferPlan, poll_s: float, notif: bytes, batches: list[int] | None = None) -> float:
-    """One READ from P; seconds from post to DONE. Appends the engine batches used (if known) to batches."""
+def run_xfer(t: Transport, plan: TransferPlan, poll_s: float, notif: bytes, batches: list[int] | None = None,
+             write: bool = False) -> float:
+    """One READ from (or WRITE into) the other process; seconds from post to DONE. Appends the
+    engine batches used (if known) to batches."""
     start = time.perf_counter()
-    handle = t.post_read("bench-p", plan, notif)
+    handle = t.post_write("bench-p", plan, notif) if write else t.post_read("bench-p", plan, notif)
     if batches is not None:
         batches.append(getattr(handle, "num_batches", 1))
     try:
@@ -235,29 +248,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit("P did not connect back to D (staging)")
         poll_s = args.poll_us / 1e6
 
+        push = args.mode == "push"
+        src_layout, dst_layout = (local, remote) if push else (remote, local)
         counts = {}
         for o in ("sequential", "shuffled"):
             s_ids, d_ids = block_ids(o, shape.num_blocks, args.seed)
-            counts[o] = plan_transfer(remote, s_ids, local, d_ids).num_runs
+            counts[o] = plan_transfer(src_layout, s_ids, dst_layout, d_ids).num_runs
         src_ids, dst_ids = block_ids(args.order, shape.num_blocks, args.seed)
-        plan, plan_s = time_plan(remote, local, src_ids, dst_ids)
+        plan, plan_s = time_plan(src_layout, dst_layout, src_ids, dst_ids)
 
-        one = plan_transfer(remote, [0], local, [0])  # one block of every layer: latency probe
-        run_xfer(transport, plan, poll_s, b"warmup")  # connection set-up, page tables
-        for t in kv:
-            words(t)[:] = SENTINEL
+        one = plan_transfer(src_layout, [0], dst_layout, [0])  # one block of every layer: latency probe
+        if push:
+            fill_pattern(kv, shape)
+        run_xfer(transport, plan, poll_s, b"warmup", write=push)  # connection set-up, page tables
+        if push:
+            parent.send(("verify", src_ids, dst_ids))
+            answer = parent.recv() if parent.poll(START_TIMEOUT_S) else "no answer"
+            if answer != "ok":
+                raise SystemExit(f"push verification at the receiver failed: {answer}")
+        else:
+            for t in kv:
+                words(t)[:] = SENTINEL
         batches: list[int] = []
-        secs = [run_xfer(transport, plan, poll_s, b"timed", batches)]
-        verify(kv, shape, src_ids, dst_ids)
-        secs += [run_xfer(transport, plan, poll_s, b"timed") for _ in range(args.repeat - 1)]
-        lat = [run_xfer(transport, one, poll_s, b"") for _ in range(args.latency_samples)]
+        secs = [run_xfer(transport, plan, poll_s, b"timed", batches, write=push)]
+        if not push:
+            verify(kv, shape, src_ids, dst_ids)
+        secs += [run_xfer(transport, plan, poll_s, b"timed", write=push) for _ in range(args.repeat - 1)]
+        lat = [run_xfer(transport, one, poll_s, b"", write=push) for _ in range(args.latency_samples)]
 
         notifs = wait_notifs(parent, expected=args.repeat + 1)
         gbps = [plan.total_bytes / s / 1e9 for s in secs]
         mem = memcpy_gbps(plan.total_bytes, args.repeat)
         return {
             "transport": args.transport,
-            "op": "READ",
+            "op": "WRITE" if push else "READ",
+            "mode": args.mode,
             "order": args.order,
             "size_mib": args.size_mib,
             "block_kib": args.block_kib,
@@ -297,7 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> None:
-    print(f"{r['transport']} READ (D pulls from P), {r['order']}: {r['size_mib']} MiB in {r['block_kib']} KiB "
+    how = "WRITE (this process pushes into the other)" if r["mode"] == "push" else "READ (D pulls from P)"
+    print(f"{r['transport']} {how}, {r['order']}: {r['size_mib']} MiB in {r['block_kib']} KiB "
           f"blocks, {r['layers']} layers x {r['blocks']} blocks")
     by = r["descriptors_by_order"]
     batches = f" in {r['batches']} engine batches" if r["transport"] == "mooncake" else ""
@@ -310,12 +336,12 @@ def report(r: dict[str, Any]) -> None:
     if r["staging"]:
         print(f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak "
               f"{r['pool_peak_slots']} slots in use (D)")
-    print(f"1-block read latency (all layers, {r['layers']} descriptors): median {r['latency_us_1block']} us "
+    print(f"1-block {r['op'].lower()} latency (all layers, {r['layers']} descriptors): median {r['latency_us_1block']} us "
           + (f"(progress delay {r['progress_delay_us']} us, " if r["transport"] == "nixl"
              else f"(max batch {r['max_batch']}, ") + f"poll {r['poll_us']} us)")
     expected = r["repeat"] + 1
     if r["notifs_at_p"] != expected:
-        print(f"WARNING: P received {r['notifs_at_p']} of {expected} transfer notifications")
+        print(f"WARNING: the other process received {r['notifs_at_p']} of {expected} transfer notifications")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -325,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-kib", type=int, default=16)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--order", choices=["sequential", "shuffled"], default="shuffled")
+    ap.add_argument("--mode", choices=["pull", "push"], default="pull",
+                    help="pull: this process READs the other's blocks; push: it WRITEs its blocks into the other's")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--latency-samples", type=int, default=50)
     ap.add_argument("--progress-delay-us", type=int, default=1000)
