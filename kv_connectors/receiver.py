@@ -6,7 +6,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, TransferMode

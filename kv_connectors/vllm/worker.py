@@ -15,7 +15,7 @@ from kv_connectors.errors import KVConnectorError, TransportError
 from kv_connectors.layout import KVLayout
 from kv_connectors.receiver import RELEASE_PREFIX, Receiver
 from kv_connectors.sender import Sender
-from kv_connectors.state import RecvPhase, RecvTask
+from kv_connectors.state import RecvTask
 from kv_connectors.staging import StagedTransport
 from kv_connectors.transport import MemoryKind, Transport
 from kv_connectors.vllm.metadata import ConnectorMetadata

@@ -3,6 +3,7 @@ P's blocks are always freed, and D keeps serving."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -121,9 +122,9 @@ def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
     server = pd_server(tiny_model, "kv_consumer", name="D-recompute", max_model_len=MAX_MODEL_LEN,
                        extra_config={"handshake_timeout_s": 3, "transfer_timeout_s": 5})
     idx = server.argv.index("--kv-transfer-config") + 1
-    cfg = __import__("json").loads(server.argv[idx])
+    cfg = json.loads(server.argv[idx])
     cfg["kv_load_failure_policy"] = "recompute"
-    server.argv[idx] = __import__("json").dumps(cfg)
+    server.argv[idx] = json.dumps(cfg)
     producer = pd_server(tiny_model, "kv_producer", name="P-doomed", max_model_len=MAX_MODEL_LEN)
     with server:
         with producer:

@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -328,12 +327,11 @@ def test_bad_arguments() -> None:
 def test_process_with_an_agent_exits_cleanly():
     """nixl's bundled libnl next to the system's (installed for Mooncake) crashed at exit (SIGSEGV)."""
     import subprocess
-    import sys
 
     code = (
         "from kv_connectors.nixl.transport import NixlTransport\n"
         "t = NixlTransport('exit-check'); t.close()\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k != "UCX_MODULES"}
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
