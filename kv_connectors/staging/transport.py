@@ -3,285 +3,52 @@
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
-import enum
 import logging
 import random
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol, Union
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from kv_connectors.errors import (
-    ConfigError,
-    PeerDisconnectedError,
-    TransferTimeoutError,
-    TransportError,
-    TransportUnavailableError,
-)
+from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError
 from kv_connectors.layout import KVLayout, Region
 from kv_connectors.plan import TransferPlan
+from kv_connectors.staging.chunks import Chunks, chunk_plan, one_run
+from kv_connectors.staging.copier import Copier, CudaCopier, HostCopier
+from kv_connectors.staging.messages import (
+    DEC,
+    ENC,
+    ERROR_KINDS,
+    MD_MAGIC,
+    MSG_MAGIC,
+    Error,
+    Free,
+    Msg,
+    Ready,
+    Scatter,
+    Scattered,
+    Slot,
+    Stage,
+    StagedInfo,
+    User,
+    Want,
+    error_kind,
+    user_bytes,
+)
+from kv_connectors.staging.initiator import Chunk, Initiator
+from kv_connectors.staging.responder import Responder, Serve
 from kv_connectors.transport import MemoryKind, Transport, XferState
 
 logger = logging.getLogger(__name__)
 
-_MSG_MAGIC = b"\x00KVCSTG1"  # staging notifications (msgpack lists of messages) start with this
 _BATCH_BYTES = 32 * 1024  # a peer's queued messages go out once they reach this size (engines cap notifs)
-_MD_MAGIC = b"KVCSTGM1"  # local_metadata() = magic + msgpack(_StagedInfo)
 _PROBE_BYTES = 64  # liveness probes read one byte of the peer's pool into this registered word
 _ABORTED_MEMORY = 4096  # (peer, transfer) ids remembered as aborted, to drop their late messages
-_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (unified addressing)
-_ERROR_KINDS: tuple[type[TransportError], ...] = (TransportError, PeerDisconnectedError, TransferTimeoutError)
-
-Pair = tuple[int, int, int]  # (dst_addr, src_addr, length)
-
-
-# Copiers -------------------------------------------------------------------------------------
-class Copier(Protocol):
-    """Copies between the KV cache and the pool; copy() may return before the bytes are there."""
-
-    def copy(self, pairs: Sequence[Pair]) -> None:
-        """Start copying each (dst_addr, src_addr, length)."""
-
-    def synchronize(self) -> None:
-        """Wait until every copy started so far has finished."""
-
-
-class HostCopier:
-    """Host memory on both sides: ctypes.memmove per pair, a single-thread memcpy on the calling thread."""
-
-    def copy(self, pairs: Sequence[Pair]) -> None:
-        move = ctypes.memmove
-        for dst, src, n in pairs:
-            move(dst, src, n)
-
-    def synchronize(self) -> None:
-        """Nothing to wait for: copy() is synchronous."""
-
-
-def _load_cudart() -> ctypes.CDLL:
-    """The libcudart torch loaded (same runtime as torch's streams), else one found by name."""
-    import torch
-
-    with open("/proc/self/maps") as maps:
-        loaded = sorted({ln.split()[-1] for ln in maps if "libcudart" in ln and "/" in ln})
-    major = (torch.version.cuda or "12").split(".")[0]
-    for name in [*loaded, f"libcudart.so.{major}", "libcudart.so"]:
-        try:
-            lib = ctypes.CDLL(name)
-            fn = lib.cudaMemcpyAsync
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        return lib
-    raise TransportUnavailableError("CudaCopier: cannot find libcudart (cudaMemcpyAsync)")
-
-
-class CudaCopier:
-    """Device <-> pinned host copies: cudaMemcpyAsync (libcudart, as loaded by torch) on a private stream.
-
-    copy() first orders the private stream after the work already queued on the device's current
-    stream (the model's kernels that wrote the KV cache), then queues the copies and returns;
-    synchronize() waits for the private stream only, so the compute stream is never stalled.
-    """
-
-    def __init__(self, device_id: int = 0) -> None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise TransportUnavailableError("CudaCopier needs a CUDA build of torch and a visible GPU")
-        self._torch = torch
-        self._device = torch.device("cuda", device_id)
-        self._stream = torch.cuda.Stream(device=self._device)
-        self._lib = _load_cudart()
-
-    def copy(self, pairs: Sequence[Pair]) -> None:
-        if not pairs:
-            return
-        cuda = self._torch.cuda
-        with cuda.device(self._device):
-            self._stream.wait_stream(cuda.current_stream(self._device))
-            stream = ctypes.c_void_p(self._stream.cuda_stream)
-            memcpy = self._lib.cudaMemcpyAsync
-            for dst, src, n in pairs:
-                rc = memcpy(dst, src, n, _CUDA_MEMCPY_DEFAULT, stream)
-                if rc != 0:
-                    why = self._lib.cudaGetErrorString(rc).decode(errors="replace")
-                    raise TransportError(f"cudaMemcpyAsync({dst:#x} <- {src:#x}, {n} bytes) failed: {rc} {why}")
-
-    def synchronize(self) -> None:
-        self._stream.synchronize()
-
-
-# Chunking ------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Chunks:
-    """A plan's runs cut into chunks. Piece i copies length[i] bytes src[i] -> dst[i] and sits at
-    slot_off[i] in its chunk's slot; chunk k is pieces bounds[k]:bounds[k+1], packed from offset 0."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
-    slot_off: np.ndarray
-    bounds: np.ndarray
-
-    @property
-    def num_chunks(self) -> int:
-        return int(self.bounds.shape[0]) - 1
-
-    def pieces(self, k: int) -> slice:
-        return slice(int(self.bounds[k]), int(self.bounds[k + 1]))
-
-    def nbytes(self, k: int) -> int:
-        return int(self.length[self.pieces(k)].sum())
-
-
-def chunk_plan(plan: TransferPlan, chunk_bytes: int, max_runs: int) -> Chunks:
-    """Cut the runs, read as one byte stream, at every multiple of chunk_bytes (a longer run is
-    split); a chunk with more than max_runs pieces is split again. Empty runs are dropped."""
-    keep = plan.length > 0
-    src, dst = plan.src[keep].astype(np.int64), plan.dst[keep].astype(np.int64)
-    length = plan.length[keep].astype(np.int64)
-    if length.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return Chunks(empty, empty, empty, empty, np.zeros(1, dtype=np.int64))
-    ends = np.cumsum(length)
-    starts = ends - length
-    total = int(ends[-1])
-    points = np.union1d(starts, np.arange(chunk_bytes, total, chunk_bytes, dtype=np.int64))
-    run = np.searchsorted(ends, points, side="right")
-    offset = points - starts[run]
-    byte_chunk = points // chunk_bytes
-    rank = np.arange(points.size) - np.searchsorted(byte_chunk, byte_chunk, side="left")
-    first = rank % max_runs == 0
-    bounds = np.append(np.flatnonzero(first), points.size).astype(np.int64)
-    chunk_of = np.cumsum(first) - 1
-    return Chunks(
-        src=src[run] + offset,
-        dst=dst[run] + offset,
-        length=np.diff(np.append(points, total)),
-        slot_off=points - points[bounds[:-1]][chunk_of],
-        bounds=bounds,
-    )
-
-
-# Wire ----------------------------------------------------------------------------------------
-class _StagedInfo(msgspec.Struct, array_like=True, frozen=True):
-    """What a peer needs besides the inner transport's metadata: where our pool is."""
-
-    inner: bytes
-    pool_base: int
-    pool_bytes: int
-    chunk_bytes: int
-    max_runs: int
-
-
-class _Msg(msgspec.Struct, array_like=True, frozen=True):
-    """A staging message; `xfer` is the initiator's transfer id, `chunk` the chunk index."""
-
-
-class _Stage(_Msg, tag=1):  # D -> P: gather these runs of your KV cache into a slot
-    xfer: int
-    chunk: int
-    runs: bytes  # int64 (addr, length) pairs
-
-
-class _Ready(_Msg, tag=2):  # P -> D: the chunk is at offset in my pool
-    xfer: int
-    chunk: int
-    offset: int
-
-
-class _Free(_Msg, tag=3):  # initiator -> responder: release the slot you hold for this chunk
-    xfer: int
-    chunk: int
-    offset: int
-
-
-class _Want(_Msg, tag=4):  # P -> D: give me a slot for nbytes
-    xfer: int
-    chunk: int
-    nbytes: int
-
-
-class _Slot(_Msg, tag=5):  # D -> P: write it at offset in my pool
-    xfer: int
-    chunk: int
-    offset: int
-
-
-class _Scatter(_Msg, tag=6):  # P -> D, carried by the inner WRITE: scatter the slot into these runs
-    xfer: int
-    chunk: int
-    offset: int
-    runs: bytes
-
-
-class _Scattered(_Msg, tag=7):  # D -> P: the chunk is in my KV cache, my slot is free
-    xfer: int
-    chunk: int
-
-
-class _Error(_Msg, tag=8):  # either way: the transfer failed; to_initiator tells which side's id it is
-    xfer: int
-    to_initiator: bool
-    kind: int  # index into _ERROR_KINDS
-    reason: str
-
-
-class _User(_Msg, tag=9):  # a user notification that itself starts with _MSG_MAGIC (escaped)
-    payload: bytes
-
-
-_ENC = msgspec.msgpack.Encoder()
-_DEC = msgspec.msgpack.Decoder(list[Union[_Stage, _Ready, _Free, _Want, _Slot, _Scatter, _Scattered, _Error, _User]])
-
-
-def _pack_runs(addr: np.ndarray, length: np.ndarray) -> bytes:
-    return np.stack([addr, length], axis=1).astype("<i8").tobytes()
-
-
-def _unpack_runs(data: bytes) -> tuple[np.ndarray, np.ndarray]:
-    if len(data) % 16:
-        raise TransportError(f"malformed run list ({len(data)} bytes)")
-    runs = np.frombuffer(data, dtype="<i8").reshape(-1, 2).astype(np.int64)
-    return runs[:, 0], runs[:, 1]
-
-
-def _user_bytes(msg: bytes) -> bytes:
-    return _MSG_MAGIC + _ENC.encode([_User(bytes(msg))]) if msg.startswith(_MSG_MAGIC) else bytes(msg)
-
-
-def _one_run(src: int, dst: int, n: int) -> TransferPlan:
-    return TransferPlan(np.array([src], np.int64), np.array([dst], np.int64), np.array([n], np.int64), 0)
 
 
 # State ---------------------------------------------------------------------------------------
-class _Phase(enum.Enum):
-    WAIT_READY = "wait_ready"  # READ: STAGE sent, our slot is held
-    READING = "reading"  # READ: inner READ from the peer's slot into ours
-    WAIT_SLOT = "wait_slot"  # WRITE: gathered into our slot, WANT sent
-    WRITING = "writing"  # WRITE: inner WRITE from our slot into the peer's
-    WAIT_SCATTERED = "wait_scattered"  # WRITE: our slot is free, the peer has yet to scatter
-
-
-@dataclasses.dataclass(eq=False)
-class _Chunk:
-    index: int
-    slot: int | None  # offset of our slot in the pool; None once freed
-    nbytes: int
-    phase: _Phase
-    remote_off: int = -1
-    inner: Any = None  # inner handle while an inner op is in flight
-    scattered: bool = False
-
-
 @dataclasses.dataclass(eq=False)
 class StagedXfer:
     """Handle of one staged transfer (returned by post_read/post_write; pass it to poll/release)."""
@@ -296,28 +63,15 @@ class StagedXfer:
     _chunks: Chunks | None = None
     _notif: bytes = b""
     _next: int = 0
-    _active: dict[int, _Chunk] = dataclasses.field(default_factory=dict)
+    _active: dict[int, Chunk] = dataclasses.field(default_factory=dict)
     _draining: list[tuple[Any, int | None, float]] = dataclasses.field(default_factory=list)
     _state: XferState = XferState.IN_PROGRESS
     _error: TransportError | None = None
 
 
-@dataclasses.dataclass(eq=False)
-class _Serve:
-    """A peer's chunk we serve: queued for a slot, then holding one until FREE / SCATTER."""
-
-    peer: str
-    xfer: int
-    chunk: int
-    op: str  # "READ" (we gather, the peer reads) or "WRITE" (the peer writes, we scatter)
-    nbytes: int
-    runs: bytes = b""
-    slot: int = -1
-
-
 @dataclasses.dataclass
 class _Peer:
-    info: _StagedInfo
+    info: StagedInfo
     metadata: bytes
     last_heard: float
     probe: Any = None
@@ -325,7 +79,7 @@ class _Peer:
 
 
 # Transport -----------------------------------------------------------------------------------
-class StagedTransport:
+class StagedTransport(Initiator, Responder):
     """The Transport Protocol around any inner Transport, through a bounded host pool.
 
     Only the pool (and a 64-byte probe word) is registered with the inner transport; KV blocks
@@ -382,18 +136,18 @@ class StagedTransport:
         self._peers: dict[str, _Peer] = {}
         self._xfers: dict[int, StagedXfer] = {}  # our unfinished transfers
         self._aborting: list[StagedXfer] = []  # failed transfers whose inner ops are still draining
-        self._waiters: collections.deque[StagedXfer | _Serve] = collections.deque()
-        self._served: dict[tuple[str, int, int], _Serve] = {}
+        self._waiters: collections.deque[StagedXfer | Serve] = collections.deque()
+        self._served: dict[tuple[str, int, int], Serve] = {}
         self._aborted: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._inbox: list[tuple[str, bytes]] = []
-        self._outbox: dict[str, list[_Msg]] = {}
+        self._outbox: dict[str, list[Msg]] = {}
         self._outbox_bytes: dict[str, int] = {}
         self._next_id = random.getrandbits(56)  # random start: a restarted peer does not reuse ids
         self._next_probe_check = 0.0
         self._closed = False
-        self._handlers = {_Stage: self._on_stage, _Ready: self._on_ready, _Free: self._on_free,
-                          _Want: self._on_want, _Slot: self._on_slot, _Scatter: self._on_scatter,
-                          _Scattered: self._on_scattered, _Error: self._on_error}
+        self._handlers = {Stage: self._on_stage, Ready: self._on_ready, Free: self._on_free,
+                          Want: self._on_want, Slot: self._on_slot, Scatter: self._on_scatter,
+                          Scattered: self._on_scattered, Error: self._on_error}
 
     @property
     def name(self) -> str:
@@ -444,17 +198,17 @@ class StagedTransport:
     def local_metadata(self) -> bytes:
         """The inner transport's metadata plus where our pool is."""
         self._require_pool()
-        info = _StagedInfo(self._inner.local_metadata(), self._pool_base, self._pool_bytes,
+        info = StagedInfo(self._inner.local_metadata(), self._pool_base, self._pool_bytes,
                            self._chunk_bytes, self._max_runs)
-        return _MD_MAGIC + msgspec.msgpack.encode(info)
+        return MD_MAGIC + msgspec.msgpack.encode(info)
 
     def connect(self, peer_name: str, peer_metadata: bytes) -> None:
         """Connect the inner transport; a new incarnation of a known peer fails its old transfers."""
         self._require_open()
-        if not peer_metadata.startswith(_MD_MAGIC):
+        if not peer_metadata.startswith(MD_MAGIC):
             raise TransportError(f"peer {peer_name} metadata is not from a StagedTransport (both sides must stage)")
         try:
-            info = msgspec.msgpack.decode(peer_metadata[len(_MD_MAGIC):], type=_StagedInfo)
+            info = msgspec.msgpack.decode(peer_metadata[len(MD_MAGIC):], type=StagedInfo)
         except msgspec.DecodeError as e:
             raise TransportError(f"malformed staging metadata from {peer_name}: {e}") from e
         old = self._peers.get(peer_name)
@@ -506,7 +260,7 @@ class StagedTransport:
                        _chunks=chunks, _notif=bytes(notif))
         if chunks.num_chunks == 0:
             if notif:
-                self._inner.send_notif(peer_name, _user_bytes(notif))
+                self._inner.send_notif(peer_name, user_bytes(notif))
             x._state = XferState.DONE
             return x
         self._xfers[x._id] = x
@@ -537,7 +291,7 @@ class StagedTransport:
     def send_notif(self, peer_name: str, msg: bytes) -> None:
         """Send a user message (escaped if it looks like a staging message)."""
         self._require_open()
-        self._inner.send_notif(peer_name, _user_bytes(msg))
+        self._inner.send_notif(peer_name, user_bytes(msg))
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """User messages received since the last call; staging messages are consumed here."""
@@ -584,7 +338,7 @@ class StagedTransport:
         """Handle messages, poll inner ops, hand free slots out, probe silent peers. Never blocks."""
         self._require_open()
         for peer_name, msg in self._inner.get_notifs():
-            if msg.startswith(_MSG_MAGIC):
+            if msg.startswith(MSG_MAGIC):
                 self._dispatch(peer_name, msg)
             else:
                 self._inbox.append((peer_name, msg))
@@ -595,12 +349,12 @@ class StagedTransport:
 
     def _dispatch(self, peer_name: str, raw: bytes) -> None:
         try:
-            msgs = _DEC.decode(raw[len(_MSG_MAGIC):])
+            msgs = DEC.decode(raw[len(MSG_MAGIC):])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             logger.warning("staging %s: dropped a malformed message from %s: %s", self.name, peer_name, e)
             return
         for msg in msgs:
-            if isinstance(msg, _User):
+            if isinstance(msg, User):
                 self._inbox.append((peer_name, msg.payload))
                 continue
             peer = self._peers.get(peer_name)
@@ -633,228 +387,21 @@ class StagedTransport:
                 self._inner.release(peer.probe)
                 peer.probe, peer.last_heard = None, now
 
-    def _poll_chunk(self, x: StagedXfer, c: _Chunk) -> None:
-        try:
-            state = self._inner.poll(c.inner)
-        except TransportError as e:
-            self._inner.release(c.inner)
-            c.inner = None
-            self._fail(x, e)
-            return
-        if state is XferState.IN_PROGRESS:
-            return
-        self._inner.release(c.inner)
-        c.inner = None
-        self._peers[x.peer_name].last_heard = time.monotonic()
-        try:
-            if c.phase is _Phase.READING:
-                self._scatter_local(x, c)
-            else:
-                self._give(c.slot, own=True)
-                c.slot = None
-                c.phase = _Phase.WAIT_SCATTERED
-                if c.scattered:
-                    self._chunk_done(x, c)
-        except TransportError as e:
-            self._fail(x, e)
-        self._grant()  # the freed slot starts the next chunk now: keeps the peer busy
-
-    def _scatter_local(self, x: StagedXfer, c: _Chunk) -> None:
-        """READ: the chunk is in our slot; copy it into our KV cache, free both slots."""
-        assert x._chunks is not None and c.slot is not None
-        sl = x._chunks.pieces(c.index)
-        base = self._pool_base + c.slot
-        self._copy(zip(x._chunks.dst[sl].tolist(), (base + x._chunks.slot_off[sl]).tolist(),
-                       x._chunks.length[sl].tolist()))
-        self._give(c.slot, own=True)
-        c.slot = None
-        self._send(x.peer_name, _Free(x._id, c.index, c.remote_off))
-        self._chunk_done(x, c)
-
-    def _chunk_done(self, x: StagedXfer, c: _Chunk) -> None:
-        if x._active.pop(c.index, None) is None:
-            return  # the transfer failed meanwhile (e.g. while flushing messages)
-        x.chunks_done += 1
-        if x.chunks_done < x.num_chunks:
-            return
-        if x._notif:  # every chunk is in the destination KV cache: the user's notification follows
-            self._flush(x.peer_name)
-            try:
-                self._inner.send_notif(x.peer_name, _user_bytes(x._notif))
-            except TransportError as e:
-                self._fail(x, e)
-                return
-        x._state = XferState.DONE
-        self._xfers.pop(x._id, None)
-        logger.debug("staged %s %s done: %d bytes in %d chunks", x.op, x.peer_name, x.nbytes, x.num_chunks)
-
     def _grant(self) -> None:
         """Hand free slots to waiters in arrival order (our transfers only up to slots - 1)."""
         while self._free and self._waiters:
             pick = next((i for i, w in enumerate(self._waiters)
-                         if isinstance(w, _Serve) or self._own_slots < self._slots - 1), None)
+                         if isinstance(w, Serve) or self._own_slots < self._slots - 1), None)
             if pick is None:
                 return
             waiter = self._waiters[pick]
             del self._waiters[pick]
-            if isinstance(waiter, _Serve):
+            if isinstance(waiter, Serve):
                 self._start_serving(waiter)
             else:
                 self._start_chunk(waiter)
 
-    def _start_chunk(self, x: StagedXfer) -> None:
-        assert x._chunks is not None
-        k = x._next
-        x._next += 1
-        if x._next < x.num_chunks:
-            self._waiters.append(x)  # back of the queue: transfers take turns
-        c = _Chunk(k, self._take(own=True), x._chunks.nbytes(k), _Phase.WAIT_READY)
-        x._active[k] = c
-        sl = x._chunks.pieces(k)
-        try:
-            if x.op == "READ":
-                self._send(x.peer_name, _Stage(x._id, k, _pack_runs(x._chunks.src[sl], x._chunks.length[sl])))
-            else:
-                base = self._pool_base + c.slot
-                self._copy(zip((base + x._chunks.slot_off[sl]).tolist(), x._chunks.src[sl].tolist(),
-                               x._chunks.length[sl].tolist()))
-                c.phase = _Phase.WAIT_SLOT
-                self._send(x.peer_name, _Want(x._id, k, c.nbytes))
-        except TransportError as e:
-            self._fail(x, e)
-
-    def _start_serving(self, s: _Serve) -> None:
-        s.slot = self._take(own=False)
-        self._served[(s.peer, s.xfer, s.chunk)] = s
-        try:
-            if s.op == "READ":
-                addr, length = _unpack_runs(s.runs)
-                offs = np.cumsum(length) - length + self._pool_base + s.slot
-                self._copy(zip(offs.tolist(), addr.tolist(), length.tolist()))
-                self._send(s.peer, _Ready(s.xfer, s.chunk, s.slot))
-            else:
-                self._send(s.peer, _Slot(s.xfer, s.chunk, s.slot))
-        except TransportError as e:
-            self._unserve(s)
-            self._send(s.peer, _Error(s.xfer, True, _kind(e), str(e)))
-
-    # Message handlers: responder side ------------------------------------------------------------
-    def _on_stage(self, peer: str, m: _Stage) -> None:
-        if (peer, m.xfer) in self._aborted:
-            return
-        try:
-            addr, length = _unpack_runs(m.runs)
-            self._check_kv(addr, length, f"runs requested by {peer}")
-            nbytes = int(length.sum())
-            if not 0 < nbytes <= self._chunk_bytes:
-                raise TransportError(f"chunk of {nbytes} bytes does not fit a {self._chunk_bytes}-byte slot")
-        except TransportError as e:
-            self._send(peer, _Error(m.xfer, True, 0, f"staging {self.name}: {e}"))
-            return
-        self._waiters.append(_Serve(peer, m.xfer, m.chunk, "READ", nbytes, m.runs))
-
-    def _on_want(self, peer: str, m: _Want) -> None:
-        if (peer, m.xfer) in self._aborted:
-            return
-        if not 0 < m.nbytes <= self._chunk_bytes:
-            reason = f"staging {self.name}: chunk of {m.nbytes} bytes does not fit a {self._chunk_bytes}-byte slot"
-            self._send(peer, _Error(m.xfer, True, 0, reason))
-            return
-        self._waiters.append(_Serve(peer, m.xfer, m.chunk, "WRITE", m.nbytes))
-
-    def _on_free(self, peer: str, m: _Free) -> None:
-        s = self._served.get((peer, m.xfer, m.chunk))
-        if s is not None and s.slot == m.offset:
-            self._unserve(s)
-            self._grant()
-
-    def _on_scatter(self, peer: str, m: _Scatter) -> None:
-        s = self._served.get((peer, m.xfer, m.chunk))
-        if s is None or s.op != "WRITE" or s.slot != m.offset:
-            logger.debug("staging %s: dropped a stale SCATTER from %s", self.name, peer)
-            return
-        try:
-            addr, length = _unpack_runs(m.runs)
-            self._check_kv(addr, length, f"runs written by {peer}")
-            if int(length.sum()) != s.nbytes:
-                raise TransportError(f"SCATTER of {int(length.sum())} bytes into a slot granted for {s.nbytes}")
-            offs = np.cumsum(length) - length + self._pool_base + s.slot
-            self._copy(zip(addr.tolist(), offs.tolist(), length.tolist()))
-        except TransportError as e:
-            self._unserve(s)
-            self._send(peer, _Error(m.xfer, True, _kind(e), f"staging {self.name}: {e}"))
-            return
-        self._unserve(s)
-        self._send(peer, _Scattered(m.xfer, m.chunk))
-        self._grant()
-
-    def _unserve(self, s: _Serve) -> None:
-        if self._served.pop((s.peer, s.xfer, s.chunk), None) is not None:
-            self._give(s.slot, own=False)
-
-    def _drop_served(self, peer: str, xfer: int | None = None) -> None:
-        """Free the slots held for a peer's transfer (every transfer if xfer is None), drop its queue."""
-        for s in [s for s in self._served.values() if s.peer == peer and xfer in (None, s.xfer)]:
-            self._unserve(s)
-        self._waiters = collections.deque(
-            w for w in self._waiters if not (isinstance(w, _Serve) and w.peer == peer and xfer in (None, w.xfer)))
-
-    # Message handlers: initiator side ------------------------------------------------------------
-    def _mine(self, peer: str, xfer: int, chunk: int, *phases: _Phase) -> tuple[StagedXfer, _Chunk] | None:
-        x = self._xfers.get(xfer)
-        c = x._active.get(chunk) if x is not None and x.peer_name == peer else None
-        return (x, c) if x is not None and c is not None and c.phase in phases else None
-
-    def _on_ready(self, peer: str, m: _Ready) -> None:
-        found = self._mine(peer, m.xfer, m.chunk, _Phase.WAIT_READY)
-        if found is None:
-            self._send(peer, _Free(m.xfer, m.chunk, m.offset))  # stale: let the peer free its slot
-            return
-        x, c = found
-        c.remote_off = m.offset
-        self._post_inner(x, c, m.offset, _Phase.READING, b"")
-
-    def _on_slot(self, peer: str, m: _Slot) -> None:
-        found = self._mine(peer, m.xfer, m.chunk, _Phase.WAIT_SLOT)
-        if found is None:
-            self._send(peer, _Free(m.xfer, m.chunk, m.offset))
-            return
-        x, c = found
-        assert x._chunks is not None
-        sl = x._chunks.pieces(c.index)
-        scatter = _Scatter(x._id, c.index, m.offset, _pack_runs(x._chunks.dst[sl], x._chunks.length[sl]))
-        c.remote_off = m.offset
-        self._post_inner(x, c, m.offset, _Phase.WRITING, _MSG_MAGIC + _ENC.encode([scatter]))
-
-    def _post_inner(self, x: StagedXfer, c: _Chunk, remote_off: int, phase: _Phase, notif: bytes) -> None:
-        """Post the pool-to-pool move of one chunk between our slot and the peer's."""
-        assert c.slot is not None
-        info = self._peers[x.peer_name].info
-        if not (0 <= remote_off and remote_off + c.nbytes <= info.pool_bytes):
-            self._fail(x, TransportError(f"staging peer {x.peer_name} offered slot {remote_off} outside its pool"))
-            return
-        local, remote = self._pool_base + c.slot, info.pool_base + remote_off
-        try:
-            if phase is _Phase.READING:
-                c.inner = self._inner.post_read(x.peer_name, _one_run(remote, local, c.nbytes), notif)
-            else:
-                c.inner = self._inner.post_write(x.peer_name, _one_run(local, remote, c.nbytes), notif)
-        except TransportError as e:
-            self._fail(x, e)
-            return
-        c.phase = phase
-        self._poll_chunk(x, c)  # engines that copy inside post are done already: free the slot at once
-
-    def _on_scattered(self, peer: str, m: _Scattered) -> None:
-        found = self._mine(peer, m.xfer, m.chunk, _Phase.WRITING, _Phase.WAIT_SCATTERED)
-        if found is None:
-            return
-        x, c = found
-        c.scattered = True
-        if c.phase is _Phase.WAIT_SCATTERED:
-            self._chunk_done(x, c)
-
-    def _on_error(self, peer: str, m: _Error) -> None:
+    def _on_error(self, peer: str, m: Error) -> None:
         if not m.to_initiator:
             self._drop_served(peer, m.xfer)
             self._aborted[(peer, m.xfer)] = None
@@ -863,7 +410,7 @@ class StagedTransport:
             return
         x = self._xfers.get(m.xfer)
         if x is not None and x.peer_name == peer:
-            cls = _ERROR_KINDS[m.kind] if 0 <= m.kind < len(_ERROR_KINDS) else TransportError
+            cls = ERROR_KINDS[m.kind] if 0 <= m.kind < len(ERROR_KINDS) else TransportError
             self._fail(x, cls(f"staged {x.op} with {peer}: the peer reported: {m.reason}"))
 
     # Failures ------------------------------------------------------------------------------------
@@ -911,7 +458,7 @@ class StagedTransport:
         if not keep:
             self._aborting.remove(x)
             err = x._error or TransportError("aborted")
-            self._send(x.peer_name, _Error(x._id, False, _kind(err), str(err)))
+            self._send(x.peer_name, Error(x._id, False, error_kind(err), str(err)))
 
     def _probe_peers(self) -> None:
         """Probe each peer we wait on that has been silent for probe_interval_s."""
@@ -925,7 +472,7 @@ class StagedTransport:
             if peer is None or peer.probe is not None or now - peer.last_heard < self._probe_interval:
                 continue
             try:
-                plan = _one_run(peer.info.pool_base, self._probe_word.data_ptr(), 1)
+                plan = one_run(peer.info.pool_base, self._probe_word.data_ptr(), 1)
                 peer.probe = self._inner.post_read(name, plan, b"")
             except TransportError as e:
                 self._probe_failed(name, e)
@@ -978,7 +525,7 @@ class StagedTransport:
             raise TransportError(f"staging {self.name}: copy failed: {type(e).__name__}: {e}") from e
         self._bytes_staged += sum(n for _, _, n in batch)
 
-    def _send(self, peer: str, msg: _Msg) -> None:
+    def _send(self, peer: str, msg: Msg) -> None:
         """Queue a message; a peer's queue goes out as one notification (see _flush). Messages to a
         peer that is gone are dropped (its transfers have failed already)."""
         state = self._peers.get(peer)
@@ -998,7 +545,7 @@ class StagedTransport:
             if not msgs:
                 continue
             try:
-                self._inner.send_notif(peer, _MSG_MAGIC + _ENC.encode(msgs))
+                self._inner.send_notif(peer, MSG_MAGIC + ENC.encode(msgs))
             except TransportError as e:
                 logger.debug("staging %s: could not send %d messages to %s: %s", self.name, len(msgs), peer, e)
                 if isinstance(e, PeerDisconnectedError):
@@ -1027,8 +574,3 @@ class StagedTransport:
         self._require_open()
         if self._pool is None:
             raise TransportError(f"staging transport {self.name}: call register() first")
-
-
-def _kind(err: TransportError) -> int:
-    """Index of the error's most specific class in _ERROR_KINDS (sent in _Error)."""
-    return max((i for i, cls in enumerate(_ERROR_KINDS) if isinstance(err, cls)), default=0)
