@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import msgspec
 
@@ -222,9 +221,6 @@ class WorkerSide:
             "staging_peak_bytes": int(ps["peak_slots_in_use"]) * self._cfg.staging_chunk_kib * 1024,
             "staging_allocated_bytes": int(ps.get("allocated_bytes", ps["pool_bytes"])),
         }
-
-    def stats(self) -> Mapping[str, Any]:
-        return {f: getattr(self._stats, f) for f in self._stats.__struct_fields__}
 
     def close(self) -> None:
         if self._server is not None:
