@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kv_connectors.lazy import lazy_attribute
+
 __all__ = ["MooncakeConnector"]
 
 
@@ -35,9 +37,4 @@ def _build_connector_class() -> type:
     return MooncakeConnector
 
 
-def __getattr__(name: str) -> Any:
-    if name == "MooncakeConnector":
-        cls = _build_connector_class()
-        globals()["MooncakeConnector"] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attribute(globals(), "MooncakeConnector", _build_connector_class)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kv_connectors.lazy import lazy_attribute
+
 __all__ = ["NixlConnector"]
 
 
@@ -34,9 +36,4 @@ def _build_connector_class() -> type:
     return NixlConnector
 
 
-def __getattr__(name: str) -> Any:
-    if name == "NixlConnector":
-        cls = _build_connector_class()
-        globals()["NixlConnector"] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attribute(globals(), "NixlConnector", _build_connector_class)

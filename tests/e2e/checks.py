@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kv_connectors.testing.cluster import generate, make_prompts, metric, output_ids, stats, wait_until
+import time
+
+from kv_connectors.testing.cluster import generate, make_prompts, metric, output_ids, prefill, stats, wait_until
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 MAX_TOKENS = 8
@@ -32,3 +34,35 @@ def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy)
     assert p1.completed_sends - p0.completed_sends == len(PROMPTS)
     assert p1.expired_leases == p0.expired_leases
     wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
+
+
+def assert_foreign_kv_changes_output(reference, perturbed_producer, decode_server) -> None:
+    """P with perturbed K/V weights (same compatibility hash): D's output follows P's KV.
+
+    Without a transfer D would recompute and match the reference on every prompt."""
+    prompts = PROMPTS[8:16]
+    changed = 0
+    for prompt in prompts:
+        params = prefill(perturbed_producer.url, prompt)
+        got = output_ids(generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=params))
+        changed += got != output_ids(generate(reference.url, prompt, MAX_TOKENS))
+    assert changed >= len(prompts) // 2, f"only {changed}/{len(prompts)} outputs changed with foreign KV"
+    wait_until(lambda: stats(perturbed_producer).held_blocks == 0, 10, "perturbed P to free its blocks")
+
+
+def assert_dead_producer_fails_fast(reference, doomed_producer, prefill_server, decode_server) -> None:
+    """P dies after prefill, before D loads: D fails that request within 30 s, then keeps serving."""
+    with doomed_producer:
+        params = prefill(doomed_producer.url, PROMPTS[9])
+        doomed_producer.stop()
+    d0 = stats(decode_server)
+    t0 = time.monotonic()
+    r = generate(decode_server.url, PROMPTS[9], MAX_TOKENS, kv_transfer_params=params, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
+    assert stats(decode_server).recv_failures == d0.recv_failures + 1
+    prompt = PROMPTS[11]
+    params = prefill(prefill_server.url, prompt)
+    got = output_ids(generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=params))
+    assert got == output_ids(generate(reference.url, prompt, MAX_TOKENS))
+    wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks")
