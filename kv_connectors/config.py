@@ -64,6 +64,8 @@ class ConnectorConfig:
     staging: Staging = Staging.AUTO
     staging_pool_kib: int = 64 * 1024
     staging_chunk_kib: int = 1024
+    # P, transfer-id flow: write each layer's blocks to a waiting D as soon as the layer is computed.
+    layerwise: bool = True
 
     def side_channel_port_for_rank(self, rank: int) -> int:
         """Each tensor-parallel worker listens on base port + rank."""
@@ -110,6 +112,12 @@ def _string(key: str, value: Any) -> str:
     return value
 
 
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
+    return value
+
+
 def _choice(choices: tuple[str, ...]):
     def check(key: str, value: Any) -> str:
         if value not in choices:
@@ -141,6 +149,7 @@ _CHECKERS = {
     "staging": lambda key, value: Staging(_choice(tuple(m.value for m in Staging))(key, value)),
     "staging_pool_kib": _positive_int,
     "staging_chunk_kib": _positive_int,
+    "layerwise": _bool,
 }
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))

@@ -51,6 +51,10 @@ class KVLayout:
         """Bytes one block occupies over all layers."""
         return sum(r.seg_len for r in self.regions)
 
+    def select(self, indices: Sequence[int]) -> KVLayout:
+        """The same blocks over a subset of the regions (e.g. one layer's, for a layer-wise write)."""
+        return KVLayout(self.num_blocks, self.block_size, tuple(self.regions[i] for i in indices))
+
     def shape_signature(self) -> tuple[int, ...]:
         """Address-free description two peers must share (part of the compatibility hash)."""
         return (self.block_size, len(self.regions), *(r.seg_len for r in self.regions))
@@ -131,3 +135,20 @@ def build_layout(
                 seen.add(key)
                 regions.append(region)
     return KVLayout(num_blocks=num_blocks, block_size=block_size, regions=tuple(regions))
+
+
+def layer_regions(tensors: Sequence[TensorInfo], layout: KVLayout, block_dim: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Tensor (layer) name -> indices of its regions in layout; storage shared with an earlier
+    tensor belongs to that earlier tensor (its KV is complete once that layer has run)."""
+    index = {(r.base, r.block_stride, r.seg_len): i for i, r in enumerate(layout.regions)}
+    owned: set[int] = set()
+    result: dict[str, tuple[int, ...]] = {}
+    for info in tensors:
+        ids = []
+        for region in regions_of_tensor(info, layout.num_blocks, block_dim):
+            i = index[(region.base, region.block_stride, region.seg_len)]
+            if i not in owned:
+                owned.add(i)
+                ids.append(i)
+        result[info.name] = tuple(ids)
+    return result

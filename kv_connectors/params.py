@@ -9,22 +9,34 @@ from typing import Any
 from kv_connectors.errors import TransferParamsError
 
 _REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_REQUIRED_TRANSFER_ID = ("transfer_id", "remote_host", "remote_port")
 
 
 @dataclasses.dataclass(frozen=True)
 class RemotePrefill:
-    """D's view of a prefill done elsewhere: where P holds the prompt's blocks."""
+    """D's view of a prefill done elsewhere: where P holds (or will hold) the prompt's blocks.
 
-    remote_block_ids: tuple[int, ...]
-    remote_engine_id: str
-    remote_request_id: str
+    Two forms. After P answered (the "params" flow): P's block ids and request id. Sent to P
+    and D at once (the "transfer-id" flow): only P's side channel and a transfer id both
+    requests carry; P's blocks are unknown, so P pushes into D's blocks when it has them.
+    """
+
+    remote_block_ids: tuple[int, ...]  # empty in the transfer-id flow
+    remote_engine_id: str  # "" when the proxy did not name P's engine: any engine is accepted
+    remote_request_id: str  # the key P holds the blocks under: its request id, or the transfer id
     remote_host: str
     remote_port: int
     remote_num_tokens: int | None
+    transfer_id: str | None = None
 
     @property
     def peer_key(self) -> tuple[str, str, int]:
         return (self.remote_engine_id, self.remote_host, self.remote_port)
+
+    @property
+    def push_only(self) -> bool:
+        """P's blocks are unknown: only P can move them (it writes into ours)."""
+        return not self.remote_block_ids
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
@@ -51,6 +63,8 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     """Validate a D request's params; raise TransferParamsError naming the first bad field."""
     if not isinstance(params, Mapping):
         raise TransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    if params.get("remote_block_ids") is None and params.get("transfer_id") is not None:
+        return _parse_transfer_id_form(params)
     missing = [k for k in _REQUIRED if params.get(k) is None]
     if missing:
         raise TransferParamsError(
@@ -69,7 +83,35 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         remote_host=_str("remote_host", params["remote_host"]),
         remote_port=_int("remote_port", params["remote_port"], 1),
         remote_num_tokens=None if num_tokens is None else _int("remote_num_tokens", num_tokens, 1),
+        transfer_id=None if params.get("transfer_id") is None else _str("transfer_id", params["transfer_id"]),
     )
+
+
+def _parse_transfer_id_form(params: Mapping[str, Any]) -> RemotePrefill:
+    missing = [k for k in _REQUIRED_TRANSFER_ID if params.get(k) is None]
+    if missing:
+        raise TransferParamsError(
+            f"kv_transfer_params with do_remote_prefill and transfer_id lacks {', '.join(missing)} "
+            "(the prefill server's side-channel host and port)"
+        )
+    engine = params.get("remote_engine_id")
+    transfer_id = _str("transfer_id", params["transfer_id"])
+    return RemotePrefill(
+        remote_block_ids=(),
+        remote_engine_id="" if engine is None else _str("remote_engine_id", engine),
+        remote_request_id=transfer_id,
+        remote_host=_str("remote_host", params["remote_host"]),
+        remote_port=_int("remote_port", params["remote_port"], 1),
+        remote_num_tokens=None,
+        transfer_id=transfer_id,
+    )
+
+
+def producer_transfer_id(params: Mapping[str, Any] | None) -> str | None:
+    """P side: the transfer id a prefill request was sent with (transfer-id flow), if any."""
+    if not params or params.get("transfer_id") is None:
+        return None
+    return _str("transfer_id", params["transfer_id"])
 
 
 def producer_params(
@@ -80,16 +122,23 @@ def producer_params(
     host: str,
     port: int,
     num_tokens: int,
+    transfer_id: str | None = None,
 ) -> dict[str, Any]:
-    """What P returns with its answer, for the proxy to copy into D's request."""
-    return {
+    """What P returns with its answer, for the proxy to copy into D's request.
+
+    remote_request_id is the key P holds the blocks under: the transfer id when the request
+    came with one, so that both flows find them."""
+    params = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": list(block_ids),
         "remote_engine_id": engine_id,
-        "remote_request_id": request_id,
+        "remote_request_id": transfer_id or request_id,
         "remote_host": host,
         "remote_port": port,
         "remote_num_tokens": num_tokens,
         "tp_size": 1,
     }
+    if transfer_id is not None:
+        params["transfer_id"] = transfer_id
+    return params

@@ -17,7 +17,7 @@ from kv_connectors.transport import Transport, XferState
 
 logger = logging.getLogger(__name__)
 
-PeerKey = tuple[str, str, int]  # (engine id, side-channel host, port)
+PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, port)
 RELEASE_PREFIX = "release:"  # task ids of releases nobody waits on
 
 
@@ -124,7 +124,7 @@ class Receiver:
             future, peer.future = peer.future, None
             try:
                 reply = future.result()
-                if not isinstance(reply, wire.HandshakeReply) or reply.engine_id != key[0]:
+                if not isinstance(reply, wire.HandshakeReply) or (key[0] and reply.engine_id != key[0]):
                     raise KVConnectorError(
                         f"side channel {key[1]}:{key[2]} answered for engine "
                         f"{getattr(reply, 'engine_id', '?')}, expected {key[0]}"
@@ -143,8 +143,8 @@ class Receiver:
         elif peer.layout is None:
             if now > task.deadline:
                 task.fail("handshake with producer timed out")
-        elif self._cfg.mode is TransferMode.PUSH or not task.local_block_ids:
-            self._request_push(task)
+        elif self._cfg.mode is TransferMode.PUSH or not task.local_block_ids or not task.remote_block_ids:
+            self._request_push(task)  # P's blocks unknown (transfer-id flow): only P can move them
         else:
             self._post_read(task, peer)
 

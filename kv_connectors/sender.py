@@ -1,4 +1,10 @@
-"""P side of a transfer: leases on blocks held for D, and writes into D's blocks when D asks (push)."""
+"""P side of a transfer: leases on blocks held for D, and writes into D's blocks when D asks (push).
+
+A push request names the blocks by key: P's request id (the "params" flow, after P answered)
+or the transfer id both requests carry (the "transfer-id" flow, P and D sent at once). In the
+transfer-id flow D may ask before P has computed anything; if its request is here when P's
+step computes the prompt, each layer is written as soon as it is computed (layer-wise push).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import dataclasses
 import logging
 import queue
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_connectors import wire
@@ -18,30 +25,52 @@ from kv_connectors.transport import Transport, XferState
 
 logger = logging.getLogger(__name__)
 
+# How long a cancelled transfer id is remembered, for a D push request that arrives late.
+_CANCEL_TTL_S = 600.0
+
 
 @dataclasses.dataclass
 class _Write:
+    """One push: D's request, then the posted write(s) from P's blocks into D's."""
+
     request: wire.PushRequest
     deadline: float
-    handle: Any = None
+    handles: list[Any] = dataclasses.field(default_factory=list)
+    runs: int = 0
+    # Layer-wise only: P's blocks, the pairing with D's, and regions not written yet.
+    own: tuple[int, ...] = ()
+    dst: KVLayout | None = None
+    regions_left: set[int] = dataclasses.field(default_factory=set)
+    error: str = ""
 
 
 class Sender:
     """Owns P's leases and push writes. Side-channel callbacks (other thread) only enqueue;
-    every transport call happens in progress()/take_finished() on the engine's thread."""
+    every transport call happens on the engine's thread (progress, layer hooks, take_finished)."""
 
-    def __init__(self, cfg: ConnectorConfig, transport: Transport, layout: KVLayout, compat: wire.CompatInfo) -> None:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        transport: Transport,
+        layout: KVLayout,
+        compat: wire.CompatInfo,
+        layer_regions: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
         self._cfg = cfg
         self._transport = transport
         self._layout = layout
         self._hash = compat.hash()
+        self._layer_regions = {name: tuple(ids) for name, ids in (layer_regions or {}).items()}
         self.leases = SendLeases()
         self._inbox: queue.SimpleQueue[wire.HandshakeRequest | wire.PushRequest] = queue.SimpleQueue()
         self._consumers: dict[str, KVLayout] = {}  # agent name -> layout
-        self._waiting: dict[str, _Write] = {}  # push requests whose lease is not known yet
+        self._waiting: dict[str, _Write] = {}  # push requests whose lease is not known yet, by key
         self._writing: dict[str, _Write] = {}
+        self._layerwise: dict[str, _Write] = {}  # writes following this step's forward pass
+        self._cancelled: dict[str, tuple[str, float]] = {}  # key -> (reason, when)
         self.pushes = 0
         self.push_failures = 0
+        self.layerwise_pushes = 0
 
     # side-channel thread ------------------------------------------------------------------------
     def on_handshake(self, request: wire.HandshakeRequest) -> None:
@@ -53,34 +82,65 @@ class Sender:
         return wire.PushAck(True)
 
     # engine thread ----------------------------------------------------------------------------
-    def add_leases(self, reqs: dict[str, tuple[int, ...]]) -> None:
+    def add_leases(self, reqs: Mapping[str, Any]) -> None:
+        """reqs: request id -> SendSpec (block_ids, key, cancelled)."""
         now = time.monotonic()
-        for rid, block_ids in reqs.items():
-            self.leases.add(rid, block_ids, now, self._cfg.lease_s)
+        for rid, spec in reqs.items():
+            self.leases.add(spec.key, rid, spec.block_ids, now, self._cfg.lease_s)
+            if spec.key in self._layerwise or spec.key in self._writing:
+                self.leases.hold(spec.key)
+            if spec.cancelled:
+                self.cancel(spec.key, f"prefill request {rid} was aborted")
+
+    def cancel(self, key: str, reason: str) -> None:
+        """P's request ended without KV for D: fail D's push now (after writes in flight settle)."""
+        now = time.monotonic()
+        write = self._waiting.pop(key, None)
+        if write is not None:
+            self._finish(write, reason)
+            return
+        layered = self._layerwise.pop(key, None)
+        if layered is not None:
+            layered.error = reason  # its handles settle in _poll, which then tells D
+            layered.regions_left.clear()
+            self._writing[key] = layered
+            return
+        if key not in self._writing:
+            self._cancelled[key] = (reason, now)
+            self.leases.notice(key, now)
 
     def progress(self) -> None:
         now = time.monotonic()
+        self._drain_inbox(now)
+        for key in list(self._waiting):
+            write = self._waiting[key]
+            if self.leases.block_ids(key) is not None:
+                del self._waiting[key]
+                self._post(key, write)
+            elif now > write.deadline:
+                del self._waiting[key]
+                self._finish(write, f"prefill request {key} is unknown here or its blocks were already freed")
+        for key in list(self._writing):
+            self._poll(key, self._writing[key], now)
+        for key in [k for k, (_r, t) in self._cancelled.items() if now - t > _CANCEL_TTL_S]:
+            del self._cancelled[key]
+
+    def _drain_inbox(self, now: float) -> None:
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return
             if isinstance(msg, wire.HandshakeRequest):
                 self._connect(msg)
-            elif not msg.block_ids:
-                self.leases.notice(msg.producer_request_id, now)  # D needs nothing: free now
+                continue
+            key = msg.producer_request_id
+            if not msg.block_ids:
+                self.leases.notice(key, now)  # D needs nothing: free now
+            elif key in self._cancelled:
+                self._finish(_Write(msg, now), self._cancelled.pop(key)[0])
             else:
-                self._waiting[msg.producer_request_id] = _Write(msg, now + self._cfg.transfer_timeout_s)
-        for rid in list(self._waiting):
-            write = self._waiting[rid]
-            if self.leases.block_ids(rid) is not None:
-                del self._waiting[rid]
-                self._post(rid, write)
-            elif now > write.deadline:
-                del self._waiting[rid]
-                self._finish(write, f"prefill request {rid} is unknown here or its blocks were already freed")
-        for rid in list(self._writing):
-            self._poll(rid, self._writing[rid], now)
+                self._waiting[key] = _Write(msg, now + self._cfg.transfer_timeout_s)
 
     def _connect(self, request: wire.HandshakeRequest) -> None:
         assert request.layout is not None
@@ -91,55 +151,137 @@ class Sender:
         except KVConnectorError as e:
             logger.error("cannot connect consumer %s: %s", request.engine_id, e)
 
-    def _post(self, rid: str, write: _Write) -> None:
+    def _check(self, write: _Write, own: tuple[int, ...]) -> KVLayout | str:
+        """D's layout for this push, or why it cannot be written."""
         req = write.request
-        own = self.leases.block_ids(rid)
-        assert own is not None
         dst = self._consumers.get(req.consumer_agent)
         if dst is None:
-            self._finish(write, f"consumer {req.consumer_agent} did not hand-shake for push")
-            self.leases.notice(rid, time.monotonic())
-            return
+            return f"consumer {req.consumer_agent} did not hand-shake for push"
         if len(req.block_ids) > len(own):
-            self._finish(write, f"asked for {len(req.block_ids)} blocks, request {rid} holds {len(own)}")
-            self.leases.notice(rid, time.monotonic())
-            return
+            return f"asked for {len(req.block_ids)} blocks, request {req.producer_request_id} holds {len(own)}"
+        return dst
+
+    def _post(self, key: str, write: _Write) -> None:
+        req = write.request
+        own = self.leases.block_ids(key)
+        assert own is not None
+        dst = self._check(write, own)
         try:
+            if isinstance(dst, str):
+                raise KVConnectorError(dst)
             plan = plan_transfer(self._layout, own[len(own) - len(req.block_ids) :], dst, req.block_ids)
-            done = wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs)
-            notif = wire.encode(done, self._hash)
-            write.handle = self._transport.post_write(req.consumer_agent, plan, notif)
+            write.runs = plan.num_runs
+            notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs),
+                                self._hash)
+            write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
         except KVConnectorError as e:
             self._finish(write, f"write failed: {e}")
-            self.leases.notice(rid, time.monotonic())
+            self.leases.notice(key, time.monotonic())
             return
-        self.leases.hold(rid)
+        self.leases.hold(key)
         write.deadline = time.monotonic() + self._cfg.transfer_timeout_s
-        self._writing[rid] = write
+        self._writing[key] = write
 
-    def _poll(self, rid: str, write: _Write, now: float) -> None:
+    # layer-wise push (transfer-id flow) -----------------------------------------------------------
+    def begin_layerwise(self, reqs: Mapping[str, Any]) -> None:
+        """Before the forward pass: prefills this step completes whose D already asked for them."""
+        if not reqs:
+            return
+        now = time.monotonic()
+        self._drain_inbox(now)
+        for spec in reqs.values():
+            write = self._waiting.get(spec.key)
+            if write is None or not self._layer_regions:
+                continue  # D not here yet: pushed whole once P's request finishes
+            dst = self._check(write, spec.block_ids)
+            if isinstance(dst, str):
+                continue  # the whole-request path reports it
+            del self._waiting[spec.key]
+            write.own, write.dst = spec.block_ids, dst
+            write.regions_left = set(range(len(self._layout.regions)))
+            write.deadline = now + self._cfg.transfer_timeout_s
+            self._layerwise[spec.key] = write
+
+    def on_layer_saved(self, layer_name: str) -> None:
+        """A layer's KV is in the cache: write its regions of every layer-wise push."""
+        if not self._layerwise:
+            return
+        regions = self._layer_regions.get(layer_name, ())
+        for key in list(self._layerwise):
+            self._post_regions(key, self._layerwise[key], regions)
+
+    def end_layerwise(self) -> None:
+        """After the forward pass: write what no layer hook covered; then wait for completion."""
+        for key in list(self._layerwise):
+            write = self._layerwise.pop(key)
+            self._post_regions(key, write, tuple(write.regions_left), detach=False)
+            write.deadline = time.monotonic() + self._cfg.transfer_timeout_s
+            self._writing[key] = write
+            if self.leases.block_ids(key) is not None:
+                self.leases.hold(key)
+
+    def _post_regions(self, key: str, write: _Write, regions: Sequence[int], detach: bool = True) -> None:
+        todo = sorted(r for r in regions if r in write.regions_left)
+        if not todo or write.error:
+            return
+        write.regions_left.difference_update(todo)
+        req = write.request
+        assert write.dst is not None
         try:
-            state = self._transport.poll(write.handle)
+            plan = plan_transfer(
+                self._layout.select(todo),
+                write.own[len(write.own) - len(req.block_ids) :],
+                write.dst.select(todo),
+                req.block_ids,
+            )
+            write.runs += plan.num_runs
+            write.handles.append(self._transport.post_write(req.consumer_agent, plan, b""))
         except KVConnectorError as e:
-            error = f"write failed: {e}"
-        else:
-            if state is XferState.IN_PROGRESS and now <= write.deadline:
-                return
-            error = "" if state is XferState.DONE else f"write timed out after {self._cfg.transfer_timeout_s:g} s"
-        self._transport.release(write.handle)
-        del self._writing[rid]
-        self.leases.notice(rid, now)  # written or failed: P's blocks are free either way
+            write.error = f"layer-wise write failed: {e}"
+            write.regions_left.clear()
+            if detach:
+                del self._layerwise[key]
+                self._writing[key] = write
+
+    def _poll(self, key: str, write: _Write, now: float) -> None:
+        error = write.error
+        for handle in list(write.handles):
+            try:
+                state = self._transport.poll(handle)
+            except KVConnectorError as e:
+                error = error or f"write failed: {e}"
+            else:
+                if state is XferState.IN_PROGRESS:
+                    if now <= write.deadline:
+                        continue
+                    error = error or f"write timed out after {self._cfg.transfer_timeout_s:g} s"
+            self._transport.release(handle)
+            write.handles.remove(handle)
+        if write.handles and not error:
+            return
+        for handle in write.handles:  # failed or timed out: abort the rest
+            self._transport.release(handle)
+        write.handles.clear()
+        del self._writing[key]
+        self.leases.notice(key, now)  # written or failed: P's blocks are free either way
         if error:
             self._finish(write, error)
-        else:
-            self.pushes += 1
+            return
+        self.pushes += 1
+        if write.dst is not None:  # layer-wise: the notification follows the last write
+            self.layerwise_pushes += 1
+            done = wire.TransferDone(write.request.consumer_request_id, self._cfg.engine_id, runs=write.runs)
+            self._notify(write.request, wire.encode(done, self._hash))
 
     def _finish(self, write: _Write, error: str) -> None:
         """Tell D its push failed (best effort: D's own deadline covers a lost message)."""
         self.push_failures += 1
         req = write.request
         logger.error("push of %s to %s failed: %s", req.producer_request_id, req.consumer_engine_id, error)
-        msg = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, error), self._hash)
+        self._notify(req, wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, error),
+                                      self._hash))
+
+    def _notify(self, req: wire.PushRequest, msg: bytes) -> None:
         try:
             self._transport.send_notif(req.consumer_agent, msg)
         except KVConnectorError as e:
@@ -156,6 +298,8 @@ class Sender:
         return done | expired
 
     def close(self) -> None:
-        for write in self._writing.values():
-            self._transport.release(write.handle)
+        for write in [*self._writing.values(), *self._layerwise.values()]:
+            for handle in write.handles:
+                self._transport.release(handle)
         self._writing.clear()
+        self._layerwise.clear()

@@ -12,6 +12,7 @@ _EARLY_NOTICE_TTL_S = 600.0
 
 @dataclasses.dataclass
 class _Lease:
+    request_id: str  # vLLM's id of P's request: what is reported when the blocks may be freed
     block_ids: tuple[int, ...]
     deadline: float
 
@@ -19,50 +20,56 @@ class _Lease:
 class SendLeases:
     """P side: blocks held for a D that will read them; freed on its notice or when the lease expires.
 
-    A notice may arrive before the lease is added (D can be faster than P's next step): it is
+    Leases are keyed by what D names them by: P's request id, or the transfer id the request
+    came with. A notice may arrive before the lease is added (D can be faster than P's next
+    step, and in the transfer-id flow D may be done before P computed anything): it is
     remembered and completes the lease as soon as it is added.
     """
 
     def __init__(self) -> None:
         self._leases: dict[str, _Lease] = {}
-        self._early: dict[str, float] = {}  # request id -> time the notice arrived
-        self._finished: set[str] = set()
+        self._early: dict[str, float] = {}  # key -> time the notice arrived
+        self._finished: set[str] = set()  # request ids
+        self._finished_keys: set[str] = set()
         self.completed = 0
         self.expired = 0
 
-    def add(self, request_id: str, block_ids: tuple[int, ...], now: float, lease_s: float) -> None:
-        if request_id in self._early:
-            del self._early[request_id]
+    def add(self, key: str, request_id: str, block_ids: tuple[int, ...], now: float, lease_s: float) -> None:
+        if key in self._early:
+            del self._early[key]
             self._finished.add(request_id)
+            self._finished_keys.add(key)
             self.completed += 1
             return
-        self._leases[request_id] = _Lease(tuple(block_ids), now + lease_s)
+        self._leases[key] = _Lease(request_id, tuple(block_ids), now + lease_s)
 
-    def block_ids(self, request_id: str) -> tuple[int, ...] | None:
-        lease = self._leases.get(request_id)
+    def block_ids(self, key: str) -> tuple[int, ...] | None:
+        lease = self._leases.get(key)
         return None if lease is None else lease.block_ids
 
-    def hold(self, request_id: str) -> None:
+    def hold(self, key: str) -> None:
         """Never expire while a write from these blocks is in flight (the write has its own deadline)."""
-        self._leases[request_id].deadline = float("inf")
+        self._leases[key].deadline = float("inf")
 
-    def notice(self, request_id: str, now: float) -> None:
-        """D is done with the request's blocks."""
-        if self._leases.pop(request_id, None) is not None:
-            self._finished.add(request_id)
+    def notice(self, key: str, now: float) -> None:
+        """D is done with the blocks held under key."""
+        lease = self._leases.pop(key, None)
+        if lease is not None:
+            self._finished.add(lease.request_id)
+            self._finished_keys.add(key)
             self.completed += 1
-        elif request_id not in self._finished:
-            self._early[request_id] = now
+        elif key not in self._finished_keys:
+            self._early[key] = now
 
     def take_finished(self, now: float) -> tuple[set[str], set[str]]:
         """(completed, expired) request ids since the last call; both are to be freed."""
-        expired = {rid for rid, lease in self._leases.items() if lease.deadline <= now}
-        for rid in expired:
-            del self._leases[rid]
+        expired_keys = [key for key, lease in self._leases.items() if lease.deadline <= now]
+        expired = {self._leases.pop(key).request_id for key in expired_keys}
         self.expired += len(expired)
-        for rid in [rid for rid, t in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
-            del self._early[rid]
+        for key in [key for key, t in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
+            del self._early[key]
         done, self._finished = self._finished, set()
+        self._finished_keys.clear()
         return done, expired
 
     @property

@@ -108,6 +108,7 @@ class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply"):
     recv_seconds: float = 0.0
     pushes: int = 0
     push_failures: int = 0
+    layerwise_pushes: int = 0  # pushes written layer by layer during P's forward pass
     staging_pool_bytes: int = 0  # configured bound (0: no staging)
     staging_peak_bytes: int = 0  # most pool bytes ever in use at once
     staging_allocated_bytes: int = 0  # what the pool actually allocated

@@ -9,7 +9,7 @@ import torch
 
 from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
-from kv_connectors.layout import TensorInfo, build_layout
+from kv_connectors.layout import TensorInfo, build_layout, layer_regions
 from kv_connectors.transport import MemoryKind, Transport
 from kv_connectors.vllm import compat
 from kv_connectors.vllm.metadata import ConnectorMetadata
@@ -85,7 +85,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         compat_info = CompatInfo(layout=layout.shape_signature(), **facts)
         first = next(iter(kv_caches.values()))
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
-        self.worker_side.register(layout, compat_info, kind, first.device.index or 0)
+        self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata if isinstance(self._connector_metadata, ConnectorMetadata) else None
@@ -95,10 +95,12 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return None  # loads complete between steps (asynchronous), never inside the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # pull mode: D reads the blocks once P's request has finished
+        """Layer-wise push: a waiting D gets this layer's blocks now (transfer-id flow only)."""
+        self.worker_side.on_layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        """Never blocks: layer-wise writes complete between steps like every other transfer."""
+        self.worker_side.end_of_forward()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         sending, recving, failed = self.worker_side.take_results()

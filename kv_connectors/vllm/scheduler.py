@@ -12,12 +12,13 @@ from kv_connectors.params import (
     RemotePrefill,
     parse_remote_prefill,
     producer_params,
+    producer_transfer_id,
     wants_remote_decode,
     wants_remote_prefill,
 )
 from kv_connectors.plan import blocks_for_tokens
 from kv_connectors.vllm.compat import FINISHED_NORMALLY, unhashed_block_ids
-from kv_connectors.vllm.metadata import ConnectorMetadata, RecvSpec
+from kv_connectors.vllm.metadata import ConnectorMetadata, RecvSpec, SendSpec
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,17 @@ class SchedulerSide:
         # Parsed params (or the reason they are bad) of requests that asked for a remote prefill.
         self._pending: dict[str, _Parsed] = {}
         self._consumed: set[str] = set()  # loaded once: never load again (e.g. after preemption)
+        # P: requests sent with a transfer id (D may be waiting already) -> that id.
+        self._transfer_ids: dict[str, str] = {}
+        self._layerwise: set[str] = set()  # P: requests whose layers the worker may be writing
         self._meta = ConnectorMetadata()
 
     # D side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
         params = request.kv_transfer_params
+        if wants_remote_decode(params) and rid not in self._transfer_ids:
+            self._note_transfer_id(rid, params)
         if rid in self._consumed or not wants_remote_prefill(params):
             return 0, False
         if rid not in self._pending:
@@ -53,6 +59,15 @@ class SchedulerSide:
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         # A bad request still goes the asynchronous way so that the worker can fail it cleanly.
         return (count, True) if count > 0 else (0, False)
+
+    def _note_transfer_id(self, rid: str, params: Any) -> None:
+        try:
+            transfer_id = producer_transfer_id(params)
+        except TransferParamsError as e:
+            logger.warning("request %s: %s; its decode side cannot find its KV", rid, e)
+            return
+        if transfer_id is not None:
+            self._transfer_ids[rid] = transfer_id
 
     def _parse(self, request: Any, params: Any) -> _Parsed:
         """Params checked against the request; a bad request keeps P's address when it is usable,
@@ -65,7 +80,9 @@ class SchedulerSide:
         num_prompt = len(request.prompt_token_ids or ())
         needed = blocks_for_tokens(num_prompt, self._block_size)
         error = None
-        if rp.remote_num_tokens is not None and rp.remote_num_tokens != num_prompt:
+        if rp.push_only:
+            pass  # P's blocks are unknown until P writes them: P checks the count then
+        elif rp.remote_num_tokens is not None and rp.remote_num_tokens != num_prompt:
             error = TransferParamsError(
                 f"prefill had {rp.remote_num_tokens} prompt tokens, this request has {num_prompt}: "
                 "the decode request must carry the same prompt as the prefill request"
@@ -97,7 +114,7 @@ class SchedulerSide:
             self._release(rid, rp)
             return
         local = unhashed_block_ids(blocks)
-        remote = rp.remote_block_ids[len(rp.remote_block_ids) - len(local) :]
+        remote = rp.remote_block_ids[len(rp.remote_block_ids) - len(local) :] if rp.remote_block_ids else ()
         self._meta.reqs_to_recv[rid] = RecvSpec(
             peer_key=rp.peer_key,
             remote_request_id=rp.remote_request_id,
@@ -110,21 +127,49 @@ class SchedulerSide:
 
     # P side and both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
+        if self._cfg.layerwise and self._transfer_ids:
+            self._mark_layerwise(scheduler_output)
         meta, self._meta = self._meta, ConnectorMetadata()
         return meta
+
+    def _mark_layerwise(self, scheduler_output: Any) -> None:
+        """Prefills (with a transfer id) that this step completes in one go: the worker may write
+        each layer's blocks to a D that is already waiting, as soon as the layer is computed."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            key = self._transfer_ids.get(new.req_id)
+            if key is None or new.prompt_token_ids is None:
+                continue
+            if new.num_computed_tokens + scheduled.get(new.req_id, 0) < len(new.prompt_token_ids):
+                continue  # chunked prefill: pushed whole once the request finishes
+            self._meta.reqs_layerwise[new.req_id] = SendSpec(tuple(new.block_ids[0]), key)
+            self._layerwise.add(new.req_id)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._consumed.discard(rid)
+        transfer_id = self._transfer_ids.pop(rid, None)
+        layerwise = rid in self._layerwise
+        self._layerwise.discard(rid)
         parsed = self._pending.pop(rid, None)
         if parsed is not None and parsed.remote is not None:
             # D request finished before it was scheduled (abort): P must not hold its blocks.
             self._release(rid, parsed.remote)
             return False, None
         params = request.kv_transfer_params
-        if not wants_remote_decode(params) or request.status not in FINISHED_NORMALLY or not block_ids:
+        if not wants_remote_decode(params):
             return False, None
-        self._meta.reqs_to_send[rid] = tuple(block_ids)
+        key = transfer_id or rid
+        if request.status not in FINISHED_NORMALLY or not block_ids:
+            reason = f"prefill request {rid} ended with status {request.status}"
+            if layerwise and block_ids:
+                # Writes from these blocks may be in flight: hold them until they settle.
+                self._meta.reqs_to_send[rid] = SendSpec(tuple(block_ids), key, cancelled=True)
+                return True, None
+            if transfer_id is not None:
+                self._meta.transfers_cancelled[key] = reason  # a D may be waiting: fail it now
+            return False, None
+        self._meta.reqs_to_send[rid] = SendSpec(tuple(block_ids), key)
         return True, producer_params(
             block_ids=block_ids,
             engine_id=self._cfg.engine_id,
@@ -132,4 +177,5 @@ class SchedulerSide:
             host=self._cfg.side_channel_host,
             port=self._port,
             num_tokens=request.num_prompt_tokens,
+            transfer_id=transfer_id,
         )

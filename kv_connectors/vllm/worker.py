@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
@@ -47,7 +47,12 @@ class WorkerSide:
 
     # set-up ---------------------------------------------------------------------------------
     def register(
-        self, layout: KVLayout, compat: wire.CompatInfo, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0
+        self,
+        layout: KVLayout,
+        compat: wire.CompatInfo,
+        kind: MemoryKind = MemoryKind.HOST,
+        device_id: int = 0,
+        layer_regions: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         # Bind first: a port in use must fail start-up before anything else is built.
         server = sidechannel.SideChannelServer(
@@ -67,7 +72,9 @@ class WorkerSide:
         server.compat_hash = compat.hash()
         self._layout, self._compat, self._transport = layout, compat, transport
         self._receiver = Receiver(self._cfg, self._rank, transport, layout, compat)
-        self._sender = Sender(self._cfg, transport, layout, compat)
+        # Layer-wise push writes straight from the KV cache: not through a staging pool.
+        layers = layer_regions if self._staging is None and self._cfg.layerwise else None
+        self._sender = Sender(self._cfg, transport, layout, compat, layers)
         self._server = server  # last: the handler answers only once everything above exists
         logger.info(
             "KV cache registered: %d blocks x %d bytes in %d regions, compat hash %s",
@@ -144,6 +151,9 @@ class WorkerSide:
     def _ingest(self, meta: ConnectorMetadata) -> None:
         assert self._receiver is not None and self._sender is not None
         self._sender.add_leases(meta.reqs_to_send)
+        for key, reason in meta.transfers_cancelled.items():
+            self._sender.cancel(key, reason)
+        self._sender.begin_layerwise(meta.reqs_layerwise)
         now = time.monotonic()
         deadline = now + self._cfg.handshake_timeout_s + self._cfg.transfer_timeout_s
         for rid, spec in meta.reqs_to_recv.items():
@@ -180,6 +190,14 @@ class WorkerSide:
         self._receiver.progress()
         self._sender.progress()
 
+    def on_layer_saved(self, layer_name: str) -> None:
+        if self._sender is not None:
+            self._sender.on_layer_saved(layer_name)
+
+    def end_of_forward(self) -> None:
+        if self._sender is not None:
+            self._sender.end_layerwise()
+
     # results ----------------------------------------------------------------------------------
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
@@ -208,6 +226,7 @@ class WorkerSide:
             recv_descriptors=t.descriptors,
             recv_seconds=t.seconds,
             pushes=self._sender.pushes,
+            layerwise_pushes=self._sender.layerwise_pushes,
             push_failures=self._sender.push_failures,
             **self._staging_stats(),
         )

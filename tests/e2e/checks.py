@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
+import uuid
 
 from kv_connectors.testing.cluster import generate, make_prompts, metric, output_ids, prefill, stats, wait_until
 from tests.e2e.conftest import MAX_MODEL_LEN
@@ -66,3 +68,39 @@ def assert_dead_producer_fails_fast(reference, doomed_producer, prefill_server, 
     got = output_ids(generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=params))
     assert got == output_ids(generate(reference.url, prompt, MAX_TOKENS))
     wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks")
+
+
+def transfer_id_generate(prefill_server, decode_server, prompt, max_tokens: int, d_first_s: float = 0.0):
+    """The transfer-id flow without a proxy: P and D get the request at once, both carrying one
+    transfer id; D also gets P's side channel. d_first_s > 0 sends D that much earlier, so that
+    its push request is at P before P computes (layer-wise push). Returns (P's, D's) responses."""
+    transfer_id = "kvc-" + uuid.uuid4().hex
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    d_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
+                "remote_host": "127.0.0.1", "remote_port": prefill_server.side_channel_port}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        d_future = pool.submit(generate, decode_server.url, prompt, max_tokens, kv_transfer_params=d_params)
+        if d_first_s:
+            time.sleep(d_first_s)
+        p_future = pool.submit(generate, prefill_server.url, prompt, 1, kv_transfer_params=p_params)
+        return p_future.result(), d_future.result()
+
+
+def assert_transfer_id_flow_matches(reference, prefill_server, decode_server, prompts, d_first_s: float = 0.0):
+    """Greedy output equals colocated for every prompt sent the transfer-id way; D loaded each
+    prompt, P pushed each (layer-wise when D asked first) and freed every block."""
+    p0, d0 = stats(prefill_server), stats(decode_server)
+    for prompt in prompts:
+        p_resp, d_resp = transfer_id_generate(prefill_server, decode_server, prompt, MAX_TOKENS, d_first_s)
+        assert p_resp.status_code == 200, p_resp.text[:300]
+        assert output_ids(d_resp) == output_ids(generate(reference.url, prompt, MAX_TOKENS)), len(prompt)
+    d1 = stats(decode_server)
+    assert d1.recv_transfers - d0.recv_transfers == len(prompts), "D did not load every prompt from P"
+    assert d1.recv_failures == d0.recv_failures
+    wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks it pushed")
+    p1 = stats(prefill_server)
+    assert p1.pushes - p0.pushes == len(prompts) and p1.push_failures == p0.push_failures
+    assert p1.expired_leases == p0.expired_leases
+    if d_first_s:
+        assert p1.layerwise_pushes - p0.layerwise_pushes == len(prompts), "D asked first, yet P did not push layer-wise"
+    return p1.layerwise_pushes - p0.layerwise_pushes

@@ -12,6 +12,7 @@ from kv_connectors.testing.cluster import (
 from kv_connectors.testing.procs import VllmServer
 from tests.e2e.checks import (
     PROMPTS, assert_dead_producer_fails_fast, assert_foreign_kv_changes_output, assert_pd_matches_colocated,
+    assert_transfer_id_flow_matches,
 )
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -43,6 +44,12 @@ def test_mooncake_push_greedy_equals_colocated(reference, mc_prefill, mc_decode,
     p0 = stats(mc_prefill)
     assert_pd_matches_colocated(reference, mc_prefill, mc_decode, mc_proxy)
     assert stats(mc_prefill).pushes - p0.pushes == len(PROMPTS), "P did not write the blocks"
+
+
+def test_mooncake_transfer_id_flow_and_layerwise_push(reference, mc_prefill, mc_decode):
+    """P and D sent at once (Mooncake-style proxies); then D first, so P writes layer by layer."""
+    assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[::3])
+    assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[-4:], d_first_s=1.0)
 
 
 def test_mooncake_foreign_kv_changes_decode_output(reference, perturbed_model, mc_decode):

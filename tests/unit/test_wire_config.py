@@ -109,23 +109,52 @@ def test_params_round_trip_and_errors():
             parse_remote_prefill(params)
 
 
+def test_transfer_id_form_of_params():
+    """The transfer-id flow: D knows only P's side channel and the id both requests carry."""
+    rp = parse_remote_prefill({"do_remote_prefill": True, "transfer_id": "t1", "remote_host": "h", "remote_port": 9})
+    assert rp.push_only and rp.remote_block_ids == () and rp.remote_request_id == "t1"
+    assert rp.peer_key == ("", "h", 9)
+    rp = parse_remote_prefill({"transfer_id": "t1", "remote_host": "h", "remote_port": 9, "remote_engine_id": "P"})
+    assert rp.peer_key == ("P", "h", 9)
+    for bad, match in (({"transfer_id": "t1", "remote_port": 9}, "lacks remote_host"),
+                       ({"transfer_id": 7, "remote_host": "h", "remote_port": 9}, "transfer_id"),
+                       ({"transfer_id": "t", "remote_host": "h", "remote_port": 0}, "remote_port")):
+        with pytest.raises(TransferParamsError, match=match):
+            parse_remote_prefill(bad)
+    # P's answer to a request with a transfer id names the blocks by that id, for either flow.
+    params = producer_params(block_ids=[1, 2], engine_id="P", request_id="r", host="h", port=9, num_tokens=40,
+                             transfer_id="t1")
+    rp = parse_remote_prefill(params)
+    assert not rp.push_only and rp.remote_request_id == "t1" and rp.transfer_id == "t1"
+
+
 def test_leases_complete_expire_and_early_notices():
     leases = SendLeases()
-    leases.add("a", (1, 2, 3), now=0.0, lease_s=10)
-    leases.add("b", (4, 5), now=0.0, lease_s=10)
+    leases.add("a", "a", (1, 2, 3), now=0.0, lease_s=10)
+    leases.add("b", "b", (4, 5), now=0.0, lease_s=10)
     assert (leases.held_requests, leases.held_blocks) == (2, 5)
     leases.notice("a", now=1.0)
     leases.notice("c", now=1.0)  # before P's worker heard of c
     assert leases.take_finished(2.0) == ({"a"}, set())
-    leases.add("c", (6, 7, 8, 9), now=2.0, lease_s=10)
+    leases.add("c", "c", (6, 7, 8, 9), now=2.0, lease_s=10)
     assert leases.take_finished(3.0) == ({"c"}, set())
     assert leases.take_finished(10.5) == (set(), {"b"})
     assert (leases.held_requests, leases.held_blocks, leases.completed, leases.expired) == (0, 0, 2, 1)
 
 
+def test_leases_keyed_by_transfer_id_report_request_ids():
+    leases = SendLeases()
+    leases.notice("xfer-1", now=0.0)  # D released before P computed anything
+    leases.add("xfer-1", "req-1", (1,), now=1.0, lease_s=10)
+    leases.add("xfer-2", "req-2", (2, 3), now=1.0, lease_s=10)
+    assert leases.block_ids("xfer-2") == (2, 3) and leases.block_ids("req-2") is None
+    assert leases.take_finished(2.0) == ({"req-1"}, set())
+    assert leases.take_finished(20.0) == (set(), {"req-2"})
+
+
 def test_held_lease_does_not_expire_while_writing():
     leases = SendLeases()
-    leases.add("a", (1, 2), now=0.0, lease_s=1)
+    leases.add("a", "a", (1, 2), now=0.0, lease_s=1)
     assert leases.block_ids("a") == (1, 2)
     leases.hold("a")
     assert leases.take_finished(100.0) == (set(), set())
