@@ -39,6 +39,7 @@ class RecvTotals:
     blocks: int = 0
     descriptors: int = 0
     seconds: float = 0.0
+    durations: list[float] = dataclasses.field(default_factory=list)  # each load's, until taken for metrics
 
 
 class Receiver:
@@ -229,6 +230,8 @@ class Receiver:
         t.blocks += len(task.local_block_ids)
         t.descriptors += task.num_descriptors
         t.seconds += elapsed
+        if len(t.durations) < 10_000:  # bounded when nobody collects them
+            t.durations.append(elapsed)
         logger.debug("request %s: %d bytes in %.6f s", task.request_id, task.num_bytes, elapsed)
 
     def _fail_transfer(self, task: RecvTask, error: Exception) -> None:

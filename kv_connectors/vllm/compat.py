@@ -13,6 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.request import RequestStatus
 
 try:  # 0.32 and 0.33 both have it; older releases only know get_finished().
@@ -87,6 +89,9 @@ def model_facts(vllm_config: Any) -> dict[str, Any]:
 __all__ = [
     "FINISHED_NORMALLY",
     "KVConnectorBase_V1",
+    "KVConnectorPromMetrics",
+    "KVConnectorStats",
+    "create_metric_per_engine",
     "KVConnectorFactory",
     "KVConnectorMetadata",
     "KVConnectorRole",

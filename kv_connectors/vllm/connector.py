@@ -14,6 +14,7 @@ from kv_connectors.transport import MemoryKind, Transport
 from kv_connectors.vllm import compat
 from kv_connectors.vllm.metadata import ConnectorMetadata
 from kv_connectors.vllm.scheduler import SchedulerSide
+from kv_connectors.vllm.stats import KvcPromMetrics, KvcStats
 from kv_connectors.vllm.worker import WorkerSide
 from kv_connectors.wire import CompatInfo
 
@@ -109,6 +110,23 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _failed = self.worker_side.take_results()
         return sending or None, recving or None
+
+    def get_kv_connector_stats(self) -> KvcStats | None:
+        return self._worker.take_interval_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcStats:
+        return KvcStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvcPromMetrics:
+        return KvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -18,6 +18,7 @@ from kv_connectors.state import RecvTask
 from kv_connectors.staging import StagedTransport
 from kv_connectors.transport import MemoryKind, Transport
 from kv_connectors.vllm.metadata import ConnectorMetadata
+from kv_connectors.vllm.stats import IntervalStats, KvcStats
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class WorkerSide:
         self._stats = wire.StatsReply(cfg.engine_id, 0, 0, 0, 0)
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
         self._staging: StagedTransport | None = None
+        self._interval = IntervalStats()
 
     # set-up ---------------------------------------------------------------------------------
     def register(
@@ -209,6 +211,13 @@ class WorkerSide:
         recving, failed = self._receiver.take_finished()
         self._stats = self._snapshot()
         return sending, recving, failed
+
+    def take_interval_stats(self) -> KvcStats | None:
+        """Counters since the last call, for vLLM's metrics (None when nothing changed)."""
+        if self._receiver is None:
+            return None
+        durations, self._receiver.totals.durations = self._receiver.totals.durations, []
+        return self._interval.take(self._stats, durations)
 
     def _snapshot(self) -> wire.StatsReply:
         assert self._receiver is not None and self._sender is not None

@@ -20,6 +20,8 @@ PROMPTS = make_prompts(LENGTHS, seed=1)
 def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy) -> None:
     """Every prompt through the proxy equals the colocated run; D loaded each one; P freed all."""
     p0, d0 = stats(prefill_server), stats(decode_server)
+    d_metric0 = metric(decode_server.url, "kvc:recv_transfers_total")
+    p_metric0 = metric(prefill_server.url, "kvc:completed_sends_total")
     expected = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in PROMPTS]
     assert len({tuple(e) for e in expected}) > len(PROMPTS) // 2, "tiny model output is near-constant"
     got = [output_ids(generate(proxy.url, p, MAX_TOKENS)) for p in PROMPTS]
@@ -36,6 +38,12 @@ def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy)
     assert p1.completed_sends - p0.completed_sends == len(PROMPTS)
     assert p1.expired_leases == p0.expired_leases
     wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
+    # The same counters on each server's /metrics (through vLLM's KVConnectorStats and Prometheus hooks).
+    wait_until(lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(PROMPTS), 10,
+               "D's /metrics to count every load")
+    wait_until(lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(PROMPTS), 10,
+               "P's /metrics to count every completed send")
+    assert metric(prefill_server.url, "kvc:held_blocks") == 0
 
 
 def assert_foreign_kv_changes_output(reference, perturbed_producer, decode_server) -> None:
