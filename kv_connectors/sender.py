@@ -41,6 +41,7 @@ class _Write:
     own: tuple[int, ...] = ()
     dst: KVLayout | None = None
     regions_left: set[int] = dataclasses.field(default_factory=set)
+    layers_in_forward: int = 0  # layers written from save_kv_layer, during the forward pass
     error: str = ""
 
 
@@ -208,7 +209,9 @@ class Sender:
             return
         regions = self._layer_regions.get(layer_name, ())
         for key in list(self._layerwise):
-            self._post_regions(key, self._layerwise[key], regions)
+            write = self._layerwise[key]
+            write.layers_in_forward += 1
+            self._post_regions(key, write, regions)
 
     def end_layerwise(self) -> None:
         """After the forward pass: write what no layer hook covered; then wait for completion."""
@@ -269,7 +272,7 @@ class Sender:
             return
         self.pushes += 1
         if write.dst is not None:  # layer-wise: the notification follows the last write
-            self.layerwise_pushes += 1
+            self.layerwise_pushes += int(write.layers_in_forward > 0)
             done = wire.TransferDone(write.request.consumer_request_id, self._cfg.engine_id, runs=write.runs)
             self._notify(write.request, wire.encode(done, self._hash))
 

@@ -88,6 +88,13 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
         self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Called before the forward pass (vLLM starts asynchronous loads only after it): the one
+        moment to set up layer-wise pushes whose layers the coming forward pass computes."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, ConnectorMetadata):
+            self._worker.before_forward(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata if isinstance(self._connector_metadata, ConnectorMetadata) else None
         self.worker_side.start_load(meta)

@@ -155,6 +155,7 @@ class WorkerSide:
         self._sender.add_leases(meta.reqs_to_send)
         for key, reason in meta.transfers_cancelled.items():
             self._sender.cancel(key, reason)
+        # D's request may have come since before_forward: push right after this forward pass then.
         self._sender.begin_layerwise(meta.reqs_layerwise)
         now = time.monotonic()
         deadline = now + self._cfg.handshake_timeout_s + self._cfg.transfer_timeout_s
@@ -191,6 +192,11 @@ class WorkerSide:
                 self._notices.append(body)
         self._receiver.progress()
         self._sender.progress()
+
+    def before_forward(self, meta: ConnectorMetadata) -> None:
+        """Layer-wise pushes for prefills the coming forward pass completes, where D already asked."""
+        if self._sender is not None:
+            self._sender.begin_layerwise(meta.reqs_layerwise)
 
     def on_layer_saved(self, layer_name: str) -> None:
         if self._sender is not None:
