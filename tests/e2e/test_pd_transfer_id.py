@@ -4,15 +4,38 @@ with real vLLM servers over NIXL."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
-from kv_connectors.testing.cluster import generate, output_ids, stats, wait_until
-from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_transfer_id_flow_matches, transfer_id_generate
+import pytest
+
+from kv_connectors.testing.cluster import ProxyProcess, generate, output_ids, stats, wait_until
+from tests.e2e.checks import (
+    MAX_TOKENS, PROMPTS, assert_pd_matches_colocated, assert_transfer_id_flow_matches, transfer_id_generate,
+)
 
 
-def test_transfer_id_flow_greedy_equals_colocated(reference, prefill_server, decode_server):
+@pytest.fixture(scope="module")
+def tid_proxy(prefill_server, decode_server) -> Iterator[ProxyProcess]:
+    """The example proxy in its transfer-id flow: it knows P's side channel and sends P and D at once."""
+    with ProxyProcess([prefill_server.url], [decode_server.url],
+                      prefill_side_channels=[prefill_server.side_channel_port],
+                      extra_args=["--flow", "transfer-id"]) as p:
+        p.wait_ready()
+        yield p
+
+
+def test_transfer_id_flow_through_proxy_greedy_equals_colocated(reference, prefill_server, decode_server, tid_proxy):
     """D is a pull-mode consumer: for a transfer-id request it still asks P to push (P's blocks are unknown)."""
-    layerwise = assert_transfer_id_flow_matches(reference, prefill_server, decode_server, PROMPTS)
-    print(f"layer-wise pushes when sent at once: {layerwise}/{len(PROMPTS)}")
+    p0 = stats(prefill_server)
+    assert_pd_matches_colocated(reference, prefill_server, decode_server, tid_proxy)
+    p1 = stats(prefill_server)
+    assert p1.pushes - p0.pushes == len(PROMPTS), "P did not push every prompt"
+    print(f"layer-wise pushes when sent at once: {p1.layerwise_pushes - p0.layerwise_pushes}/{len(PROMPTS)}")
+
+
+def test_transfer_id_flow_without_proxy(reference, prefill_server, decode_server):
+    """The bare protocol, as any Mooncake-style proxy speaks it."""
+    assert_transfer_id_flow_matches(reference, prefill_server, decode_server, PROMPTS[::4])
 
 
 def test_layerwise_push_when_decode_asks_first(reference, prefill_server, decode_server):

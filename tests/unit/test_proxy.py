@@ -1,254 +1,310 @@
-"""Unit tests for examples/proxy.py against fake P/D backends (httpx.MockTransport), no vLLM."""
+"""The proxy app in the params (NIXL) flow against fake P/D backends (httpx.MockTransport), no vLLM."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import socket
-import sys
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
 
-_PROXY_PATH = Path(__file__).resolve().parents[2] / "examples" / "proxy.py"
+from tests.unit.proxy_fakes import (  # puts examples/ on sys.path
+    D1, D2, KV_FROM_P, P1, P2, PROMPT_IDS, ChunkStream, Fleet, asgi_stream, config, metric_value, running, sse,
+    text_chunks,
+)
+import pd_proxy
+from pd_proxy.config import Policy
 
-
-def _load_proxy() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kv_connectors_example_proxy", _PROXY_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-proxy = _load_proxy()
-
-P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
-D1, D2 = "http://d1.test:8200", "http://d2.test:8200"
-KV_FROM_P = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "eng-p",
-             "remote_block_ids": [3, 4], "remote_host": "10.0.0.1", "remote_port": 5600}
-SSE_CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
-              b"data: [DONE]\n\n"]
-
-
-class ChunkStream(httpx.AsyncByteStream):
-    """A D response body that yields chunks slowly and records whether the proxy closed it."""
-
-    def __init__(self, chunks: list[bytes], delay_s: float = 0.0, fail: Exception | None = None) -> None:
-        self.chunks, self.delay_s, self.fail = chunks, delay_s, fail
-        self.sent = 0
-        self.closed = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            self.sent += 1
-            yield chunk
-        if self.fail is not None:
-            raise self.fail
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-class Fakes:
-    """Fake P and D servers behind one MockTransport; records every request they get."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, httpx.Headers, Any]] = []
-        self.p_kv: dict[str, Any] | None = KV_FROM_P
-        self.p_error: Exception | None = None
-        self.p_status, self.d_status = 200, 200
-        self.d_stream: ChunkStream | None = None
-
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
-        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        self.calls.append((base, request.url.path, request.headers, body))
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake", "from": base}]})
-        if base in (P1, P2):
-            return self._prefill()
-        return self._decode(body)
-
-    def _prefill(self) -> httpx.Response:
-        if self.p_error is not None:
-            raise self.p_error
-        if self.p_status != 200:
-            return httpx.Response(self.p_status, json={"error": {"message": "bad model", "code": self.p_status}})
-        body: dict[str, Any] = {"id": "cmpl-p", "choices": [{"text": "x"}]}
-        if self.p_kv is not None:
-            body["kv_transfer_params"] = self.p_kv
-        return httpx.Response(200, json=body)
-
-    def _decode(self, body: dict[str, Any]) -> httpx.Response:
-        if self.d_status != 200:
-            return httpx.Response(self.d_status, json={"error": {"message": "d failed", "code": self.d_status}})
-        if body.get("stream"):
-            self.d_stream = self.d_stream or ChunkStream(SSE_CHUNKS)
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=self.d_stream)
-        return httpx.Response(200, json={"id": "cmpl-d", "choices": [{"text": "decoded"}]})
-
-    def bodies(self, base_prefix: str) -> list[Any]:
-        return [body for base, _, _, body in self.calls if base.startswith(base_prefix)]
-
-    def headers(self, base_prefix: str) -> list[httpx.Headers]:
-        return [headers for base, _, headers, _ in self.calls if base.startswith(base_prefix)]
+pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def fakes() -> Fakes:
-    return Fakes()
+def anyio_backend() -> str:
+    return "asyncio"
 
 
-@pytest.fixture
-def client(fakes: Fakes) -> Iterator[TestClient]:
-    app = proxy.build_app([P1], [D1], timeout_s=5, transport=httpx.MockTransport(fakes.handler))
-    with TestClient(app) as test_client:
-        yield test_client
-
-
-def _assert_error(resp: httpx.Response, status: int) -> dict[str, Any]:
+def _assert_error(resp: httpx.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["code"] == status and error["message"] and error["type"]
     return error
 
 
-def test_prefill_and_decode_requests(client: TestClient, fakes: Fakes) -> None:
-    body = {"model": "m", "prompt": "hello", "max_tokens": 16, "min_tokens": 4, "stream": False,
-            "stream_options": {"include_usage": True}, "temperature": 0}
-    resp = client.post("/v1/completions", json=body)
+async def test_prefill_then_decode_bodies() -> None:
+    fleet = Fleet()
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 16, "min_tokens": 4, "stream": False,
+            "temperature": 0, "kv_transfer_params": {"client": "junk"}}
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json=body)
     assert resp.status_code == 200 and resp.json()["id"] == "cmpl-d"
-    [p_body], [d_body] = fakes.bodies("http://p"), fakes.bodies("http://d")
-    assert p_body["kv_transfer_params"] == proxy.PREFILL_KV_PARAMS
-    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
-    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-    assert "stream_options" not in p_body and "min_tokens" not in p_body
-    assert p_body["prompt"] == "hello" and p_body["temperature"] == 0
+    [p_body], [d_body] = fleet.bodies("prefill"), fleet.bodies("decode")
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                            "remote_engine_id": None, "remote_block_ids": None,
+                                            "remote_host": None, "remote_port": None}
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False and "min_tokens" not in p_body
+    assert p_body["prompt"] == [5, 6, 7] and p_body["temperature"] == 0
+    assert "return_token_ids" not in p_body  # the prompt is already token ids
     assert d_body == {**body, "kv_transfer_params": KV_FROM_P}
-    assert [path for _, path, _, _ in fakes.calls] == ["/v1/completions"] * 2
+    assert fleet.urls() == [P1, D1]
 
 
-def test_chat_max_completion_tokens(client: TestClient, fakes: Fakes) -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
-    assert client.post("/v1/chat/completions", json=body).status_code == 200
-    [p_body], [d_body] = fakes.bodies("http://p"), fakes.bodies("http://d")
-    assert p_body["max_completion_tokens"] == 1 and p_body["max_tokens"] == 1
-    assert d_body["max_completion_tokens"] == 9 and "max_tokens" not in d_body
-    assert {path for _, path, _, _ in fakes.calls} == {"/v1/chat/completions"}
-
-
-def test_streaming_passthrough(client: TestClient, fakes: Fakes) -> None:
-    body = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with client.stream("POST", "/v1/completions", json=body) as resp:
+async def test_completions_string_prompt_forwards_p_token_ids() -> None:
+    fleet = Fleet()
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
         assert resp.status_code == 200
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        data = b"".join(resp.iter_bytes())
-    assert data == b"".join(SSE_CHUNKS)
-    [p_body], [d_body] = fakes.bodies("http://p"), fakes.bodies("http://d")
+        [p_body], [d_body] = fleet.bodies("prefill"), fleet.bodies("decode")
+        assert p_body["return_token_ids"] is True and p_body["prompt"] == "hello there"
+        assert d_body["prompt"] == PROMPT_IDS and "return_token_ids" not in d_body
+        assert "prompt_token_ids" not in d_body["kv_transfer_params"]
+        fleet.calls.clear()
+        # echo: D must render the client's text, so no forwarding
+        assert (await client.post("/v1/completions", json={"prompt": "hi", "echo": True})).status_code == 200
+        [p_body], [d_body] = fleet.bodies("prefill"), fleet.bodies("decode")
+        assert "return_token_ids" not in p_body and d_body["prompt"] == "hi"
+
+
+async def test_chat_forwards_token_ids_and_max_completion_tokens() -> None:
+    fleet = Fleet()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
+    async with running(config(), fleet) as (_, client):
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    [p_body], [d_body] = fleet.bodies("prefill"), fleet.bodies("decode")
+    assert p_body["max_completion_tokens"] == 1 and p_body["max_tokens"] == 1 and p_body["return_token_ids"]
+    assert d_body["max_completion_tokens"] == 9 and "max_tokens" not in d_body
+    assert d_body["kv_transfer_params"] == {**KV_FROM_P, "prompt_token_ids": PROMPT_IDS}
+    assert d_body["messages"] == body["messages"]
+    assert {c.path for c in fleet.calls} == {"/v1/chat/completions"}
+
+
+async def test_streaming_passthrough_and_stream_options_only_to_d() -> None:
+    fleet = Fleet()
+    body = {"prompt": [1, 2], "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.content == b"".join(text_chunks(["a", "b"]))
+    [p_body], [d_body] = fleet.bodies("prefill"), fleet.bodies("decode")
     assert p_body["stream"] is False and "stream_options" not in p_body
     assert d_body["stream"] is True and d_body["stream_options"] == {"include_usage": True}
-    assert d_body["max_tokens"] == 8 and d_body["kv_transfer_params"] == KV_FROM_P
-    assert fakes.d_stream is not None and fakes.d_stream.closed
+    assert fleet[D1].streams[0].closed
 
 
-def test_request_id_propagated(client: TestClient, fakes: Fakes) -> None:
-    resp = client.post("/v1/completions", json={"prompt": "a"}, headers={"X-Request-Id": "rid-42"})
-    assert resp.headers["x-request-id"] == "rid-42"
-    assert [h["x-request-id"] for h in fakes.headers("http://")] == ["rid-42", "rid-42"]
-    fakes.calls.clear()
-    resp = client.post("/v1/completions", json={"prompt": "a"})
+async def test_stream_is_relayed_chunk_by_chunk() -> None:
+    fleet = Fleet()
+    chunks = text_chunks(["a", "b", "c"])
+    fleet[D1].stream_factory = lambda: ChunkStream(chunks, delay_s=0.01)
+    async with running(config(), fleet) as (app, _):
+        _, got = await asgi_stream(app, {"prompt": "a", "stream": True})
+    assert got == chunks
+
+
+async def test_request_id_propagated_or_generated() -> None:
+    fleet = Fleet()
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json={"prompt": "a"}, headers={"X-Request-Id": "rid-42"})
+        assert resp.headers["x-request-id"] == "rid-42"
+        assert [c.headers["x-request-id"] for c in fleet.calls] == ["rid-42", "rid-42"]
+        fleet.calls.clear()
+        resp = await client.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer k"})
     generated = resp.headers["x-request-id"]
-    assert generated and [h["x-request-id"] for h in fakes.headers("http://")] == [generated] * 2
+    assert len(generated) == 32 and [c.headers["x-request-id"] for c in fleet.calls] == [generated] * 2
+    assert [c.headers["authorization"] for c in fleet.calls] == ["Bearer k"] * 2
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'"text"', b""])
-def test_invalid_json_is_400(client: TestClient, fakes: Fakes, raw: bytes) -> None:
-    resp = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
-    assert _assert_error(resp, 400)["type"] == "invalid_request_error"
-    assert fakes.calls == []
+async def test_split_prompts_non_streaming() -> None:
+    fleet = Fleet(decode=(D1, D2))
+    prompts = ["one", "two", "three"]
+    async with running(config(decode=(D1, D2)), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3},
+                                 headers={"X-Request-Id": "r"})
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    # each prompt went alone to P, and D got that prompt's own token ids from its P
+    p_prompts = sorted(b["prompt"] for b in fleet.bodies("prefill"))
+    assert p_prompts == sorted(prompts) and all(b["prompt"] == PROMPT_IDS for b in fleet.bodies("decode"))
+    assert answer["usage"] == {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}
+    ids = sorted(c.headers["x-request-id"] for c in fleet.calls if fleet[c.url].role == "prefill")
+    assert ids == ["r-0", "r-1", "r-2"]
+    assert {c["from"] for c in answer["choices"]} == {D1, D2}
 
 
-def test_prefill_down_is_502(client: TestClient, fakes: Fakes) -> None:
-    fakes.p_error = httpx.ConnectError("connection refused")
-    error = _assert_error(client.post("/v1/completions", json={"prompt": "a"}), 502)
-    assert P1 in error["message"] and "prefill" in error["message"]
-    assert fakes.bodies("http://d") == []
+async def test_split_token_id_prompts_keep_order() -> None:
+    fleet = Fleet()
+    prompts = [[4, 5], [6], [7, 8, 9]]
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json={"prompt": prompts})
+    choices = resp.json()["choices"]
+    assert [c["text"] for c in choices] == [f"decoded({p!r})" for p in prompts]
+    assert all("return_token_ids" not in b for b in fleet.bodies("prefill"))
 
 
-def test_prefill_timeout_is_504(client: TestClient, fakes: Fakes) -> None:
-    fakes.p_error = httpx.ReadTimeout("timed out")
-    error = _assert_error(client.post("/v1/completions", json={"prompt": "a"}), 504)
-    assert "timed out" in error["message"]
+async def test_split_prompts_streaming_merged() -> None:
+    fleet = Fleet()
+    usage = {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    fleet[D1].stream_factory = lambda: ChunkStream(text_chunks(["x", "y"], usage), delay_s=0.005)
+    body = {"prompt": ["a", "b", "c"], "stream": True, "stream_options": {"include_usage": True}}
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json=body)
+    events = [e for e in resp.content.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and sum(e == b"data: [DONE]" for e in events) == 1
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    *chunks, usage_chunk = payloads
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {k: 3 * v for k, v in usage.items()}
+    for index in range(3):
+        assert [c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == index] == ["x", "y"]
+    assert len(chunks) == 6 and all(s.closed for s in fleet[D1].streams)
 
 
-def test_prefill_without_kv_params_still_decodes(client: TestClient, fakes: Fakes) -> None:
-    fakes.p_kv = None
-    body = {"prompt": "a", "kv_transfer_params": {"client": "junk"}}
-    assert client.post("/v1/completions", json=body).status_code == 200
-    [d_body] = fakes.bodies("http://d")
+@pytest.mark.parametrize("raw, message", [
+    (b"{not json", "invalid JSON"), (b"[1, 2]", "JSON object"), (b'"text"', "JSON object"), (b"", "invalid JSON"),
+])
+async def test_invalid_json_is_400(raw: bytes, message: str) -> None:
+    fleet = Fleet()
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert message in _assert_error(resp, 400)["message"]
+        assert (await client.post("/v1/completions", json={"prompt": "ok"})).status_code == 200
+    assert fleet.urls() == [P1, D1]
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"prompt": "x"}, "messages"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", 3]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1], []]}, "prompt"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "9"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{}], "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, "'n' > 1"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, "'n'"),
+])
+async def test_bad_fields_are_400(route: str, body: dict, field: str) -> None:
+    fleet = Fleet()
+    async with running(config(), fleet) as (app, client):
+        error = _assert_error(await client.post(route, json=body), 400)
+        assert field in error["message"] and error["type"] == "invalid_request_error"
+        assert (await client.post("/v1/completions", json={"prompt": "ok"})).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert fleet.urls() == [P1, D1]
+    assert metric_value(metrics, "kvc_proxy_requests_total", route=route, outcome="bad_request") == 1
+
+
+async def test_body_over_limit_is_413() -> None:
+    fleet = Fleet()
+    async with running(config(max_body_bytes=2048), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json={"prompt": "x" * 4096})
+        _assert_error(resp, 413)
+        async def parts():  # no content-length: the limit is enforced while reading
+            for part in (b'{"prompt": "', b"y" * 4096, b'"}'):
+                yield part
+
+        chunked = await client.post("/v1/completions", content=parts())
+        _assert_error(chunked, 413)
+        assert (await client.post("/v1/completions", json={"prompt": "ok"})).status_code == 200
+    assert fleet.urls() == [P1, D1]
+
+
+async def test_backend_4xx_passes_through_5xx_is_mapped() -> None:
+    fleet = Fleet()
+    async with running(config(max_retries=0), fleet) as (_, client):
+        fleet[P1].status = 400  # e.g. prompt longer than the model's context: P's own error as is
+        resp = await client.post("/v1/completions", json={"prompt": "a"})
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == "prefill failed"
+        fleet[P1].status = 200
+        fleet[D1].status = 400
+        resp = await client.post("/v1/completions", json={"prompt": "a", "stream": True})
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == "decode failed"
+        fleet[D1].status = 500
+        error = _assert_error(await client.post("/v1/completions", json={"prompt": "a"}), 502)
+        assert D1 in error["message"] and "500" in error["message"]
+        fleet[P1].status = 503
+        error = _assert_error(await client.post("/v1/completions", json={"prompt": "a"}), 502)
+        assert P1 in error["message"] and "prefill" in error["message"]
+
+
+async def test_prefill_without_kv_params_still_decodes() -> None:
+    fleet = Fleet()
+    fleet[P1].answer = lambda body: {"id": "p", "choices": [{"text": "x"}]}
+    async with running(config(), fleet) as (_, client):
+        assert (await client.post("/v1/completions", json={"prompt": [1]})).status_code == 200
+    [d_body] = fleet.bodies("decode")
     assert "kv_transfer_params" not in d_body
 
 
-def test_backend_http_errors(client: TestClient, fakes: Fakes) -> None:
-    fakes.d_status = 400
-    resp = client.post("/v1/completions", json={"prompt": "a"})
-    assert resp.status_code == 400 and resp.json()["error"]["message"] == "d failed"
-    fakes.d_status = 500
-    _assert_error(client.post("/v1/completions", json={"prompt": "a"}), 502)
-    _assert_error(client.post("/v1/completions", json={"prompt": "a", "stream": True}), 502)
-    fakes.p_status = 503
-    _assert_error(client.post("/v1/completions", json={"prompt": "a"}), 502)
-    fakes.p_status = 404  # P rejects the request itself: the client sees P's own 4xx
-    resp = client.post("/v1/completions", json={"prompt": "a"})
-    assert resp.status_code == 404 and resp.json()["error"]["message"] == "bad model"
-
-
-def test_round_robin(fakes: Fakes) -> None:
-    app = proxy.build_app([P1, P2], [D1 + "/", D2], transport=httpx.MockTransport(fakes.handler))
-    with TestClient(app) as test_client:
+async def test_round_robin_pairs() -> None:
+    fleet = Fleet((P1, P2), (D1, D2))
+    async with running(config((P1, P2), (D1, D2)), fleet) as (_, client):
         for _ in range(4):
-            assert test_client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
-    order = [base for base, _, _, _ in fakes.calls]
-    assert order == [P1, D1, P2, D2, P1, D1, P2, D2]
+            assert (await client.post("/v1/completions", json={"prompt": [1]})).status_code == 200
+    assert fleet.urls() == [P1, D1, P2, D2, P1, D1, P2, D2]
 
 
-def test_models_and_health(fakes: Fakes) -> None:
-    app = proxy.build_app([P1], [D2, D1], transport=httpx.MockTransport(fakes.handler))
-    with TestClient(app) as test_client:
-        models = test_client.get("/v1/models")
-        health = test_client.get("/health")
+async def test_least_outstanding_avoids_busy_decode() -> None:
+    fleet = Fleet(decode=(D1, D2))
+    fleet[D1].stream_factory = lambda: ChunkStream([sse({"choices": [{"index": 0, "text": "z"}]})] * 50,
+                                                   delay_s=0.02)
+    cfg = config(decode=(D1, D2), decode_policy=Policy.LEAST_OUTSTANDING)
+    async with running(cfg, fleet) as (app, client):
+        long_stream = asyncio.create_task(asgi_stream(app, {"prompt": [1], "stream": True}))
+        while not fleet[D1].streams:
+            await asyncio.sleep(0.005)
+        for _ in range(3):
+            resp = await client.post("/v1/completions", json={"prompt": [2]})
+            assert resp.json()["choices"][0]["from"] == D2
+        await long_stream
+        snapshot = (await client.get("/health")).json()["decode"]
+    assert [(b["url"], b["outstanding"], b["served"]) for b in snapshot] == [(D1, 0, 1), (D2, 0, 3)]
+
+
+async def test_models_health_and_metrics() -> None:
+    fleet = Fleet((P1,), (D2, D1))
+    async with running(config((P1,), (D2, D1)), fleet) as (_, client):
+        models = await client.get("/v1/models")
+        await client.post("/v1/completions", json={"prompt": [1]})
+        await client.post("/v1/completions", json={"prompt": [1], "stream": True})
+        health = await client.get("/health")
+        metrics = await client.get("/metrics")
     assert models.status_code == 200 and models.json()["data"][0]["from"] == D2
-    assert health.status_code == 200 and health.json() == {"status": "ok", "prefill": [P1], "decode": [D2, D1]}
+    assert health.status_code == 200
+    h = health.json()
+    assert h["status"] == "ok" and h["flow"] == "params"
+    assert h["prefill"] == [{"url": P1, "healthy": True, "outstanding": 0, "served": 2, "failures": 0,
+                             "side_channel": None}]
+    assert [b["url"] for b in h["decode"]] == [D2, D1]
+    text = metrics.text
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert metric_value(text, "kvc_proxy_requests_total", route="/v1/completions", outcome="ok") == 2
+    assert metric_value(text, "kvc_proxy_backend_requests_total", role="prefill", url=P1) == 2
+    assert metric_value(text, "kvc_proxy_backend_requests_total", role="decode", url=D2) == 1
+    assert metric_value(text, "kvc_proxy_backend_seconds_count", role="decode", url=D1) == 1
+    assert metric_value(text, "kvc_proxy_ttft_seconds_count") == 1  # the streamed one
+    assert metric_value(text, "kvc_proxy_backend_healthy", role="decode", url=D1) == 1
+    for name in ("kvc_proxy_retries_total", "kvc_proxy_evictions_total"):
+        for role in ("prefill", "decode"):
+            assert f'{name}{{role="{role}"}} 0.0' in text
 
 
-def test_one_log_line_per_request(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+async def test_one_log_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
+    fleet = Fleet()
     with caplog.at_level(logging.INFO, logger="kv_connectors.proxy"):
-        client.post("/v1/completions", json={"prompt": "a"}, headers={"X-Request-Id": "rid-log"})
-    lines = [r.getMessage() for r in caplog.records if "rid-log" in r.getMessage()]
-    assert len(lines) == 1
-    assert P1 in lines[0] and D1 in lines[0] and "prefill=" in lines[0] and "total=" in lines[0]
-
-
-def test_build_app_validates() -> None:
-    with pytest.raises(ValueError):
-        proxy.build_app([], [D1])
-    with pytest.raises(ValueError):
-        proxy.build_app([P1], [D1], timeout_s=0)
-    with pytest.raises(ValueError):
-        proxy.build_app(["ftp://x"], [D1])
+        async with running(config(), fleet) as (_, client):
+            await client.post("/v1/completions", json={"prompt": "a"}, headers={"X-Request-Id": "rid-log"})
+            await client.post("/v1/completions", json={"prompt": "a", "stream": True},
+                              headers={"X-Request-Id": "rid-stream"})
+    for rid in ("rid-log", "rid-stream"):
+        [line] = [r.getMessage() for r in caplog.records if rid in r.getMessage()]
+        assert f"P={P1} D={D1} retries=0 status=200 outcome=ok" in line
+        assert "p_answer=0." in line and "d_first_byte=0." in line and "total=" in line
 
 
 def _free_port() -> int:
@@ -258,69 +314,16 @@ def _free_port() -> int:
 
 
 def test_real_network_refused_and_timeout() -> None:
-    """Without a fake transport: a closed port gives 502; a server that never answers gives 504."""
-    with socket.socket() as silent:  # listens (kernel completes the handshake) but never replies
+    """Through real sockets: a closed port gives 502, a server that never answers gives 504."""
+    async def one(p_url: str) -> httpx.Response:
+        app = pd_proxy.build_app(config((p_url,), (D1,), prefill_timeout_s=0.5, max_retries=0), health_checks=False)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
+                return await client.post("/v1/completions", json={"prompt": "a"})
+
+    with socket.socket() as silent:  # listens (the kernel completes the handshake) but never replies
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        for p_url, status in ((f"http://127.0.0.1:{_free_port()}", 502), (silent_url, 504)):
-            with TestClient(proxy.build_app([p_url], [D1], timeout_s=0.5)) as test_client:
-                _assert_error(test_client.post("/v1/completions", json={"prompt": "a"}), status)
-
-
-async def _asgi_stream(app: FastAPI, disconnect_after: int | None, spec_version: str = "2.3") -> list[bytes]:
-    """Drive the app over raw ASGI; the client disconnects after `disconnect_after` body chunks.
-
-    ASGI spec 2.3 servers report the disconnect through receive(); from 2.4 send() raises OSError.
-    """
-    request = json.dumps({"prompt": "a", "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 8000)}
-    chunks: list[bytes] = []
-    gone = asyncio.Event()
-    body_sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal body_sent
-        if not body_sent:
-            body_sent = True
-            return {"type": "http.request", "body": request, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if gone.is_set() and spec_version == "2.4":
-            raise OSError("client went away")
-        if message["type"] == "http.response.body" and message.get("body"):
-            chunks.append(message["body"])
-            if disconnect_after is not None and len(chunks) >= disconnect_after:
-                gone.set()
-
-    async with app.router.lifespan_context(app):
-        await asyncio.wait_for(app(scope, receive, send), timeout=10)
-    return chunks
-
-
-def test_stream_is_chunk_by_chunk(fakes: Fakes) -> None:
-    app = proxy.build_app([P1], [D1], transport=httpx.MockTransport(fakes.handler))
-    assert asyncio.run(_asgi_stream(app, disconnect_after=None)) == SSE_CHUNKS
-
-
-@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
-def test_client_disconnect_closes_upstream(fakes: Fakes, spec_version: str) -> None:
-    fakes.d_stream = ChunkStream([b"data: {}\n\n"] * 200, delay_s=0.01)
-    app = proxy.build_app([P1], [D1], transport=httpx.MockTransport(fakes.handler))
-    chunks = asyncio.run(_asgi_stream(app, disconnect_after=3, spec_version=spec_version))
-    assert 3 <= len(chunks) < 200
-    assert fakes.d_stream.closed and fakes.d_stream.sent < 200
-
-
-def test_decode_failure_mid_stream_ends_with_sse_error(fakes: Fakes) -> None:
-    fakes.d_stream = ChunkStream(SSE_CHUNKS[:1], fail=httpx.ReadError("connection reset"))
-    app = proxy.build_app([P1], [D1], transport=httpx.MockTransport(fakes.handler))
-    chunks = asyncio.run(_asgi_stream(app, disconnect_after=None))
-    assert chunks[0] == SSE_CHUNKS[0] and chunks[-1].endswith(b"data: [DONE]\n\n")
-    error = json.loads(chunks[-1].split(b"\n\n")[0].removeprefix(b"data: "))["error"]
-    assert error["code"] == 502 and "mid-stream" in error["message"]
+        _assert_error(asyncio.run(one(f"http://127.0.0.1:{_free_port()}")), 502)
+        error = _assert_error(asyncio.run(one(f"http://127.0.0.1:{silent.getsockname()[1]}")), 504)
+        assert "timed out" in error["message"]

@@ -1,0 +1,12 @@
+"""PD disaggregation proxy for xPyD fleets: N prefill and M decode vLLM servers behind one OpenAI endpoint.
+
+Reading order: config (flags) -> backends (state, policies, health checks) -> bodies (validation, P/D bodies,
+split/merge) -> upstream (one backend call) -> flows (params and transfer-id flows, retries) -> dispatch
+(one client request) -> relay (SSE out) -> app (routes).
+"""
+
+from .app import build_app, main
+from .config import BackendSpec, ConfigError, Flow, Policy, ProxyConfig, Role, SideChannel, parse_args
+
+__all__ = ["BackendSpec", "ConfigError", "Flow", "Policy", "ProxyConfig", "Role", "SideChannel", "build_app",
+           "main", "parse_args"]

@@ -1,0 +1,155 @@
+"""Backend state (health, outstanding requests), the selection policies, and the active health checker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .config import BackendSpec, Policy, Role, SideChannel
+from .metrics import ProxyMetrics
+
+logger = logging.getLogger("kv_connectors.proxy")
+
+
+@dataclass(eq=False)
+class Backend:
+    """One vLLM server's state as the proxy sees it."""
+
+    role: Role
+    url: str
+    side_channel: SideChannel | None = None
+    healthy: bool = True
+    outstanding: int = 0
+    served: int = 0
+    failures: int = 0  # failed requests and failed health checks, all time
+    consecutive_check_failures: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+            "served": self.served,
+            "failures": self.failures,
+            "side_channel": None if self.side_channel is None else str(self.side_channel),
+        }
+
+
+class BackendCall:
+    """One request in flight on a backend: counted as outstanding until end() (idempotent)."""
+
+    def __init__(self, pool: BackendPool, backend: Backend) -> None:
+        self.pool, self.backend = pool, backend
+        self.start = time.perf_counter()
+        self.ended = False
+        backend.outstanding += 1
+        pool.metrics.backend_requests.labels(pool.role.value, backend.url).inc()
+
+    def end(self, ok: bool) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.backend.outstanding -= 1
+        if ok:
+            self.backend.served += 1
+        else:
+            self.backend.failures += 1
+        self.pool.metrics.backend_seconds.labels(self.pool.role.value, self.backend.url).observe(
+            time.perf_counter() - self.start)
+
+
+class BackendPool:
+    """The servers of one role and the policy choosing among the healthy ones."""
+
+    def __init__(self, role: Role, specs: Sequence[BackendSpec], policy: Policy, metrics: ProxyMetrics) -> None:
+        self.role, self.policy, self.metrics = role, policy, metrics
+        self.backends = tuple(Backend(role, s.url, s.side_channel) for s in specs)
+        self._cursor = 0
+        for b in self.backends:
+            metrics.backend_healthy.labels(role.value, b.url).set(1)
+
+    def any_healthy(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
+    def has_candidate(self, exclude: Collection[Backend] = ()) -> bool:
+        return any(b.healthy and b not in exclude for b in self.backends)
+
+    def pick(self, exclude: Collection[Backend] = ()) -> Backend | None:
+        """A healthy backend not in `exclude`, by policy; None when there is none."""
+        n = len(self.backends)
+        order = [self.backends[(self._cursor + i) % n] for i in range(n)]
+        candidates = [b for b in order if b.healthy and b not in exclude]
+        if not candidates:
+            return None
+        if self.policy is Policy.LEAST_OUTSTANDING:
+            chosen = min(candidates, key=lambda b: b.outstanding)  # ties: round-robin order
+        else:
+            chosen = candidates[0]
+        self._cursor = (self.backends.index(chosen) + 1) % n
+        return chosen
+
+    def begin(self, backend: Backend) -> BackendCall:
+        return BackendCall(self, backend)
+
+    def mark_failed(self, backend: Backend, reason: str) -> None:
+        """Passive health: a request to it failed at the connection level; out of rotation at once."""
+        self._set_health(backend, False, reason)
+
+    def record_check(self, backend: Backend, error: str | None, unhealthy_after: int) -> None:
+        """One active check's result: evict after `unhealthy_after` failures in a row, restore on success."""
+        if error is None:
+            backend.consecutive_check_failures = 0
+            self._set_health(backend, True, "health check answered")
+            return
+        backend.consecutive_check_failures += 1
+        backend.failures += 1
+        if backend.consecutive_check_failures >= unhealthy_after:
+            self._set_health(backend, False, f"{backend.consecutive_check_failures} failed health checks ({error})")
+
+    def _set_health(self, backend: Backend, healthy: bool, reason: str) -> None:
+        if backend.healthy == healthy:
+            return
+        backend.healthy = healthy
+        self.metrics.backend_healthy.labels(self.role.value, backend.url).set(1 if healthy else 0)
+        if healthy:
+            logger.info("%s %s back in rotation: %s", self.role.value, backend.url, reason)
+        else:
+            self.metrics.evictions.labels(self.role.value).inc()
+            logger.warning("%s %s evicted: %s", self.role.value, backend.url, reason)
+
+
+class HealthChecker:
+    """GET /health of every backend each interval (with a timeout); results go to the pools."""
+
+    def __init__(self, pools: Sequence[BackendPool], client: Callable[[], httpx.AsyncClient], interval_s: float,
+                 timeout_s: float, unhealthy_after: int) -> None:
+        self.pools, self.client = pools, client
+        self.interval_s, self.timeout_s, self.unhealthy_after = interval_s, timeout_s, unhealthy_after
+
+    async def _probe(self, backend: Backend) -> str | None:
+        try:
+            resp = await self.client().get(backend.url + "/health", timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None if resp.status_code == 200 else f"HTTP {resp.status_code}"
+
+    async def check_once(self) -> None:
+        pairs = [(pool, b) for pool in self.pools for b in pool.backends]
+        results = await asyncio.gather(*(self._probe(b) for _, b in pairs))
+        for (pool, backend), error in zip(pairs, results):
+            pool.record_check(backend, error, self.unhealthy_after)
+
+    async def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.check_once()
+            except Exception:  # noqa: BLE001 - the checker must outlive any one bad round
+                logger.exception("health check round failed")
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -1,0 +1,201 @@
+"""Command line -> a validated, frozen ProxyConfig (backends, flow, policies, timeouts, limits)."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+
+class ConfigError(ValueError):
+    """A bad proxy setting; the message names the flag and the valid values."""
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Flow(str, enum.Enum):
+    """How P and D are addressed: P's answer forwarded to D (NIXL), or both at once with a transfer id."""
+
+    AUTO = "auto"
+    PARAMS = "params"
+    TRANSFER_ID = "transfer-id"
+
+
+class Policy(str, enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_OUTSTANDING = "least_outstanding"
+
+
+@dataclass(frozen=True)
+class SideChannel:
+    """A prefill server's KV side-channel address (what D contacts in the transfer-id flow)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    url: str
+    side_channel: SideChannel | None = None
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill: tuple[BackendSpec, ...]
+    decode: tuple[BackendSpec, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    flow: Flow = Flow.AUTO
+    prefill_policy: Policy = Policy.ROUND_ROBIN
+    decode_policy: Policy = Policy.ROUND_ROBIN
+    prefill_timeout_s: float = 120.0
+    decode_timeout_s: float = 120.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    unhealthy_after: int = 2
+    max_retries: int = 2
+    max_body_bytes: int = 8 << 20
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ConfigError("need at least one --prefill URL")
+        if not self.decode:
+            raise ConfigError("need at least one --decode URL")
+        for role, specs in (("prefill", self.prefill), ("decode", self.decode)):
+            urls = [s.url for s in specs]
+            if len(set(urls)) != len(urls):
+                raise ConfigError(f"--{role} lists a URL twice: {urls}")
+        if self.flow is Flow.TRANSFER_ID and any(s.side_channel is None for s in self.prefill):
+            missing = [s.url for s in self.prefill if s.side_channel is None]
+            raise ConfigError(f"--flow transfer-id needs a side channel on every --prefill (missing on {missing})")
+        for name in ("prefill_timeout_s", "decode_timeout_s", "health_interval_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
+        if self.unhealthy_after < 1:
+            raise ConfigError(f"--unhealthy-after must be >= 1, got {self.unhealthy_after}")
+        if self.max_retries < 0:
+            raise ConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    @property
+    def resolved_flow(self) -> Flow:
+        """auto: transfer-id when every prefill server has a side channel, else params."""
+        if self.flow is not Flow.AUTO:
+            return self.flow
+        if all(s.side_channel is not None for s in self.prefill):
+            return Flow.TRANSFER_ID
+        return Flow.PARAMS
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _flag(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+def normalize_url(url: str) -> str:
+    """'host:port' or 'http://host:port/' -> 'http://host:port'; ConfigError if not http(s) with a host."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ConfigError(f"invalid backend URL {url!r}: {exc}") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ConfigError(f"invalid backend URL {url!r}: need http(s)://host[:port]")
+    return url
+
+
+def parse_side_channel(value: str, url: str) -> SideChannel:
+    """'host:port' or 'port' (host taken from the URL)."""
+    host, sep, port_text = value.strip().rpartition(":")
+    if not sep:
+        host = httpx.URL(url).host
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not host or not 1 <= port <= 65535:
+        raise ConfigError(f"invalid side channel {value!r} for --prefill {url}: expected HOST:PORT or PORT")
+    return SideChannel(host, port)
+
+
+def _prefill_spec(values: Sequence[str]) -> BackendSpec:
+    if not 1 <= len(values) <= 2:
+        raise ConfigError(f"--prefill takes URL [SIDE_CHANNEL], got {list(values)}")
+    url = normalize_url(values[0])
+    return BackendSpec(url, parse_side_channel(values[1], url) if len(values) == 2 else None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="proxy.py",
+        description="PD disaggregation proxy: N prefill and M decode vLLM servers behind one OpenAI endpoint.",
+    )
+    add = parser.add_argument
+    add("--prefill", action="append", nargs="+", required=True, metavar=("URL", "SIDE_CHANNEL"),
+        help="prefill server base URL, optionally followed by its KV side channel HOST:PORT or PORT (repeatable)")
+    add("--decode", action="append", required=True, metavar="URL", help="decode server base URL (repeatable)")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    add("--flow", choices=[f.value for f in Flow], default=Flow.AUTO.value,
+        help="params: P's kv_transfer_params go to D (NIXL); transfer-id: P and D at once (Mooncake push); "
+             "auto: transfer-id when every --prefill has a side channel")
+    for role in ("prefill", "decode"):
+        add(f"--{role}-policy", choices=[p.value for p in Policy], default=Policy.ROUND_ROBIN.value)
+    add("--prefill-timeout-s", type=float, default=120.0, help="deadline of P's answer")
+    add("--decode-timeout-s", type=float, default=120.0,
+        help="longest wait for a byte from D: its first byte, each gap between streamed chunks")
+    add("--health-interval-s", type=float, default=2.0, help="period of the active GET /health checks")
+    add("--health-timeout-s", type=float, default=1.0)
+    add("--unhealthy-after", type=int, default=2, help="consecutive failed checks that evict a backend")
+    add("--max-retries", type=int, default=2, help="retries of one request on other backends")
+    add("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    add("--log-level", default="info", choices=list(LOG_LEVELS))
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
+    """Parse and validate; a bad flag exits with status 2 and a message naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return ProxyConfig(
+            prefill=tuple(_prefill_spec(v) for v in args.prefill),
+            decode=tuple(BackendSpec(normalize_url(u)) for u in args.decode),
+            host=args.host,
+            port=args.port,
+            flow=Flow(args.flow),
+            prefill_policy=Policy(args.prefill_policy),
+            decode_policy=Policy(args.decode_policy),
+            prefill_timeout_s=args.prefill_timeout_s,
+            decode_timeout_s=args.decode_timeout_s,
+            health_interval_s=args.health_interval_s,
+            health_timeout_s=args.health_timeout_s,
+            unhealthy_after=args.unhealthy_after,
+            max_retries=args.max_retries,
+            max_body_bytes=args.max_body_bytes,
+            log_level=args.log_level,
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,71 @@
+"""One client completion request: split into prompts, each run on a P/D pair, answers merged into one response."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse, Response
+
+from . import bodies
+from .context import ProxyContext
+from .flows import Answer, JsonAnswer, PairRunner, SubRequest, cancel_task
+from .relay import RelayResponse
+from .trace import Trace
+from .upstream import OpenStream
+
+REQUEST_ID_HEADER = "X-Request-Id"
+T = TypeVar("T")
+
+
+async def _close_answers(answers: Sequence[Any]) -> None:
+    for answer in answers:
+        if isinstance(answer, OpenStream):
+            await answer.aclose(False)
+
+
+async def gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run all; on the first failure (or if we are cancelled) cancel the rest, close opened streams, re-raise."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    except BaseException:
+        for task in tasks:
+            await cancel_task(task)
+        await _close_answers([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
+        raise
+
+
+def sub_requests(route: str, body: dict[str, Any], headers: dict[str, str]) -> list[SubRequest]:
+    """One per prompt; split prompts get the request id suffixed with their index."""
+    parts = bodies.split_prompts(route, body)
+    if len(parts) == 1:
+        return [SubRequest(0, parts[0], headers)]
+    rid = headers[REQUEST_ID_HEADER]
+    return [SubRequest(i, part, {**headers, REQUEST_ID_HEADER: f"{rid}-{i}"}) for i, part in enumerate(parts)]
+
+
+async def dispatch(ctx: ProxyContext, route: str, body: dict[str, Any], headers: dict[str, str],
+                   trace: Trace) -> Response:
+    """The client's response: D's answer as is (one prompt), merged answers (several), or a relayed stream."""
+    runner = PairRunner(ctx, route, trace, bodies.is_stream(body))
+    subs = sub_requests(route, body, headers)
+    try:
+        answers: list[Answer] = await gather_or_cancel([runner.run(s) for s in subs])
+    except BaseException:
+        await runner.settle()
+        raise
+    if runner.stream:
+        streams = [a for a in answers if isinstance(a, OpenStream)]
+        return RelayResponse(ctx, streams, trace, runner.settle)
+    await runner.settle()
+    json_answers = [a for a in answers if isinstance(a, JsonAnswer)]
+    if len(json_answers) == 1:
+        only = json_answers[0]
+        return Response(only.content, status_code=only.status, media_type=only.media_type)
+    return JSONResponse(bodies.merge_answers([a.json() for a in json_answers]))

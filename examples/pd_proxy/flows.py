@@ -1,0 +1,250 @@
+"""The two dispatch flows for one prompt (params: P then D; transfer-id: P and D at once), with retries."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from . import bodies
+from .backends import Backend
+from .config import Flow, Role
+from .context import ProxyContext
+from .errors import FailureKind, UpstreamFailure, no_backend
+from .trace import Trace
+from .upstream import OpenStream, answer_json, open_stream, post_json
+
+logger = logging.getLogger("kv_connectors.proxy")
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One prompt of a client request, sent to its own P/D pair."""
+
+    index: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True)
+class JsonAnswer:
+    """D's whole (non-streamed) answer."""
+
+    content: bytes
+    status: int
+    media_type: str
+    url: str
+
+    def json(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.content)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise UpstreamFailure(Role.DECODE, self.url, FailureKind.BAD_ANSWER,
+                                  f"returned a body that is not a JSON object: {self.content[:300]!r}"
+                                  ).to_proxy_error()
+        return data
+
+
+Answer = JsonAnswer | OpenStream
+
+
+async def cancel_task(task: asyncio.Task[Any]) -> None:
+    """Cancel and wait for `task`; its own failure is consumed (logged at debug level)."""
+    if not task.done():
+        task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("background task ended with %r", task.exception())
+
+
+class _Budget:
+    """Retries left for one prompt; spend() re-raises the failure as the client's error when none is left."""
+
+    def __init__(self, ctx: ProxyContext, trace: Trace) -> None:
+        self.ctx, self.trace, self.left = ctx, trace, ctx.config.max_retries
+
+    def spend(self, failure: UpstreamFailure, tried: Collection[Backend]) -> None:
+        """Count a retry, or raise when none is left or no other healthy backend of that role is."""
+        if self.left <= 0 or not self.ctx.pool(failure.role).has_candidate(tried):
+            raise failure.to_proxy_error() from failure
+        self.left -= 1
+        self.trace.retries += 1
+        self.ctx.metrics.retries.labels(failure.role.value).inc()
+        logger.info("request %s: retrying after: %s", self.trace.request_id, failure)
+
+
+class PairRunner:
+    """Runs the prompts of one client request, each on a P/D pair; retries on other backends within budget."""
+
+    def __init__(self, ctx: ProxyContext, route: str, trace: Trace, stream: bool) -> None:
+        self.ctx, self.route, self.trace, self.stream = ctx, route, trace, stream
+        self._background: list[asyncio.Task[Any]] = []  # P requests still running after D answered
+
+    async def run(self, sub: SubRequest) -> Answer:
+        tried: dict[Role, set[Backend]] = {Role.PREFILL: set(), Role.DECODE: set()}
+        last: dict[Role, UpstreamFailure] = {}
+        budget = _Budget(self.ctx, self.trace)
+        for role in (Role.PREFILL, Role.DECODE):  # before any work: a prefill no D can use holds P's blocks
+            if not self.ctx.pool(role).any_healthy():
+                raise no_backend(role)
+        if self.ctx.flow is Flow.TRANSFER_ID:
+            while True:
+                answer = await self._transfer_pair(sub, tried, last, budget)
+                if answer is not None:
+                    return answer
+        return await self._params(sub, tried, last, budget)
+
+    async def settle(self) -> None:
+        """End of the client request: abort P requests still running (their D already has the KV)."""
+        tasks, self._background = self._background, []
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                logger.warning("request %s: prefill failed after decode started: %s", self.trace.request_id,
+                               task.exception())
+            await cancel_task(task)
+
+    # -- shared pieces --
+
+    def _pick(self, role: Role, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure]) -> Backend:
+        backend = self.ctx.pool(role).pick(tried[role])
+        if backend is None:
+            if role in last:
+                raise last[role].to_proxy_error() from last[role]
+            raise no_backend(role)
+        self.trace.chose(role, backend.url)
+        return backend
+
+    def _failed(self, backend: Backend, failure: UpstreamFailure, tried: dict[Role, set[Backend]],
+                last: dict[Role, UpstreamFailure]) -> None:
+        tried[backend.role].add(backend)
+        last[backend.role] = failure
+        self.trace.failed(backend.role, backend.url)
+        logger.warning("request %s: %s", self.trace.request_id, failure)
+        if failure.marks_unhealthy:
+            self.ctx.pool(backend.role).mark_failed(backend, str(failure))
+
+    async def _post_prefill(self, sub: SubRequest, p: Backend, body: dict[str, Any]) -> dict[str, Any]:
+        resp = await post_json(self.ctx.http(), self.ctx.prefill.begin(p), self.route, body, sub.headers,
+                               self.ctx.config.prefill_timeout_s)
+        self.trace.prefill_answered()
+        return answer_json(Role.PREFILL, p.url, resp)
+
+    async def _decode(self, sub: SubRequest, d: Backend, body: dict[str, Any]) -> Answer:
+        call = self.ctx.decode.begin(d)
+        timeout_s = self.ctx.config.decode_timeout_s
+        if self.stream:
+            opened = await open_stream(self.ctx.http(), call, self.route, body, sub.headers, timeout_s)
+            self.trace.decode_first_byte(streaming=True)
+            return opened
+        resp = await post_json(self.ctx.http(), call, self.route, body, sub.headers, timeout_s)
+        self.trace.decode_first_byte(streaming=False)
+        return JsonAnswer(resp.content, resp.status_code, resp.headers.get("content-type", "application/json"), d.url)
+
+    def _decode_failed(self, d: Backend, failure: UpstreamFailure, tried: dict[Role, set[Backend]],
+                       last: dict[Role, UpstreamFailure], budget: _Budget) -> None:
+        """A D failure before any byte reached the client: spend a retry (a slow D is not retried)."""
+        self._failed(d, failure, tried, last)
+        if failure.kind is FailureKind.TIMEOUT:
+            raise failure.to_proxy_error() from failure
+        budget.spend(failure, tried[failure.role])
+
+    # -- params flow (NIXL): P answers with kv_transfer_params, D gets them --
+
+    async def _params(self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure],
+                      budget: _Budget) -> Answer:
+        while True:
+            p = self._pick(Role.PREFILL, tried, last)
+            try:
+                kv_params, token_ids = await self._prefill_params(sub, p)
+            except UpstreamFailure as failure:
+                self._failed(p, failure, tried, last)
+                budget.spend(failure, tried[failure.role])
+                continue
+            d_body = bodies.decode_body_params(self.route, sub.body, kv_params, token_ids)
+            while True:
+                d = self._pick(Role.DECODE, tried, last)
+                try:
+                    return await self._decode(sub, d, d_body)
+                except UpstreamFailure as failure:
+                    self._decode_failed(d, failure, tried, last, budget)
+                    if failure.kind is not FailureKind.NOT_REACHED:
+                        break  # D may have read (and released) P's blocks: prefill again
+                    # never reached D: P still holds the blocks under its lease, same params on another D
+
+    async def _prefill_params(self, sub: SubRequest, p: Backend) -> tuple[dict[str, Any] | None, list[int] | None]:
+        forward_ids = bodies.wants_token_forwarding(self.route, sub.body)
+        body = bodies.prefill_body(sub.body, dict(bodies.PREFILL_KV_PARAMS), return_token_ids=forward_ids)
+        answer = await self._post_prefill(sub, p, body)
+        kv_params = answer.get("kv_transfer_params")
+        if not isinstance(kv_params, dict):
+            logger.warning("request %s: prefill %s answered without kv_transfer_params; decode recomputes the prompt",
+                           self.trace.request_id, p.url)
+            kv_params = None
+        token_ids = bodies.prompt_token_ids(self.route, answer) if forward_ids else None
+        return kv_params, token_ids
+
+    # -- transfer-id flow (Mooncake push): P and D addressed together --
+
+    async def _prefill_tid(self, sub: SubRequest, p: Backend, transfer_id: str) -> None:
+        body = bodies.prefill_body(sub.body, bodies.transfer_prefill_params(transfer_id), return_token_ids=False)
+        await self._post_prefill(sub, p, body)
+
+    async def _transfer_pair(self, sub: SubRequest, tried: dict[Role, set[Backend]],
+                             last: dict[Role, UpstreamFailure], budget: _Budget) -> Answer | None:
+        """One P with a fresh transfer id, and D (another D only if D was never reached); None: new pair."""
+        p = self._pick(Role.PREFILL, tried, last)
+        d = self._pick(Role.DECODE, tried, last)
+        assert p.side_channel is not None  # ProxyConfig guarantees it for this flow
+        transfer_id = "kvc-" + uuid.uuid4().hex
+        p_task = asyncio.create_task(self._prefill_tid(sub, p, transfer_id))
+        handed_over = False
+        try:
+            while True:
+                d_body = bodies.transfer_decode_body(sub.body, transfer_id, p.side_channel)
+                d_task = asyncio.create_task(self._decode(sub, d, d_body))
+                try:
+                    await _until_decoded_or_prefill_failed(d_task, p_task)
+                finally:
+                    if not d_task.done():  # P failed first, or we are cancelled: abort D
+                        await cancel_task(d_task)
+                if not d_task.cancelled() and d_task.exception() is None:
+                    handed_over = True
+                    self._background.append(p_task)
+                    return d_task.result()
+                if p_task.done() and (p_task.cancelled() or p_task.exception() is not None):
+                    self._prefill_failed(p, p_task, tried, last, budget)
+                    return None
+                failure = d_task.exception()
+                if not isinstance(failure, UpstreamFailure):
+                    raise failure
+                self._decode_failed(d, failure, tried, last, budget)
+                if failure.kind is not FailureKind.NOT_REACHED:
+                    return None
+                d = self._pick(Role.DECODE, tried, last)  # same P and transfer id: P waits for a D
+        finally:
+            if not handed_over:
+                await cancel_task(p_task)
+
+    def _prefill_failed(self, p: Backend, p_task: asyncio.Task[None], tried: dict[Role, set[Backend]],
+                        last: dict[Role, UpstreamFailure], budget: _Budget) -> None:
+        if p_task.cancelled():
+            raise asyncio.CancelledError
+        failure = p_task.exception()
+        if not isinstance(failure, UpstreamFailure):
+            raise failure  # type: ignore[misc]  # P's own 4xx (ProxyError) goes to the client
+        self._failed(p, failure, tried, last)
+        budget.spend(failure, tried[failure.role])
+
+
+async def _until_decoded_or_prefill_failed(d_task: asyncio.Task[Any], p_task: asyncio.Task[Any]) -> None:
+    """Wait until D has answered (or failed), or P failed before that."""
+    while not d_task.done():
+        if p_task.done() and (p_task.cancelled() or p_task.exception() is not None):
+            return
+        await asyncio.wait({d_task} if p_task.done() else {d_task, p_task}, return_when=asyncio.FIRST_COMPLETED)

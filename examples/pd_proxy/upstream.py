@@ -1,0 +1,132 @@
+"""One HTTP call to one backend: P's JSON answer, D's JSON answer, or D's stream opened up to its first byte."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from .backends import BackendCall
+from .config import Role
+from .errors import EXCERPT_CHARS, FailureKind, Outcome, ProxyError, UpstreamFailure
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+def timeout(total_s: float) -> httpx.Timeout:
+    return httpx.Timeout(total_s, connect=min(CONNECT_TIMEOUT_S, total_s))
+
+
+def classify(role: Role, url: str, exc: httpx.HTTPError) -> UpstreamFailure:
+    name = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return UpstreamFailure(role, url, FailureKind.NOT_REACHED, f"unreachable ({name})")
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamFailure(role, url, FailureKind.TIMEOUT, f"timed out ({name})")
+    return UpstreamFailure(role, url, FailureKind.DISCONNECTED, f"failed ({name})")
+
+
+def check_status(role: Role, url: str, resp: httpx.Response) -> None:
+    """Return if 2xx. A 4xx JSON body passes through to the client; 5xx is a failure worth a retry."""
+    if resp.is_success:
+        return
+    status = resp.status_code
+    if 400 <= status < 500:
+        with contextlib.suppress(ValueError):
+            resp.json()
+            raise ProxyError(status, resp.text, "backend_error", Outcome.BACKEND_REJECTED, raw=resp.content)
+        msg = f"{role.value} server {url} returned HTTP {status}: {resp.text[:EXCERPT_CHARS]}"
+        raise ProxyError(status, msg, "upstream_error", Outcome.BACKEND_REJECTED)
+    raise UpstreamFailure(role, url, FailureKind.SERVER_ERROR,
+                          f"returned HTTP {status}: {resp.text[:EXCERPT_CHARS]}")
+
+
+async def post_json(client: httpx.AsyncClient, call: BackendCall, path: str, body: dict[str, Any],
+                    headers: dict[str, str], timeout_s: float) -> httpx.Response:
+    """POST and read the whole answer; raises UpstreamFailure or ProxyError; ends `call`."""
+    role, url = call.pool.role, call.backend.url
+    answered = False  # a 2xx or 4xx answer: the backend did its job
+    try:
+        try:
+            with anyio.fail_after(timeout_s):  # the whole answer, whatever the transport's own timeouts do
+                resp = await client.post(url + path, json=body, headers=headers, timeout=timeout(timeout_s))
+        except httpx.HTTPError as exc:
+            raise classify(role, url, exc) from exc
+        except TimeoutError as exc:
+            raise _deadline(role, url, timeout_s) from exc
+        answered = resp.status_code < 500
+        check_status(role, url, resp)
+        return resp
+    finally:
+        call.end(answered)
+
+
+def answer_json(role: Role, url: str, resp: httpx.Response) -> dict[str, Any]:
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise UpstreamFailure(role, url, FailureKind.BAD_ANSWER,
+                              f"returned a body that is not a JSON object: {resp.text[:EXCERPT_CHARS]}")
+    return data
+
+
+@dataclass(eq=False)
+class OpenStream:
+    """D's streaming answer whose first bytes have arrived; the rest is read by whoever relays it."""
+
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first: bytes
+    call: BackendCall
+
+    async def rest(self) -> AsyncIterator[bytes]:
+        yield self.first
+        async for chunk in self.chunks:
+            yield chunk
+
+    async def aclose(self, ok: bool) -> None:
+        """Close the upstream (which aborts the request at D if it is still running)."""
+        with anyio.CancelScope(shield=True):
+            await self.response.aclose()
+        self.call.end(ok)
+
+
+async def open_stream(client: httpx.AsyncClient, call: BackendCall, path: str, body: dict[str, Any],
+                      headers: dict[str, str], timeout_s: float) -> OpenStream:
+    """POST with a streamed answer and wait for its first non-empty chunk."""
+    role, url = call.pool.role, call.backend.url
+    request = client.build_request("POST", url + path, json=body, headers=headers, timeout=timeout(timeout_s))
+    resp: httpx.Response | None = None
+    try:
+        with anyio.fail_after(timeout_s):  # up to the first byte
+            resp = await client.send(request, stream=True)
+            if not resp.is_success:
+                await resp.aread()
+                check_status(role, url, resp)
+            chunks = resp.aiter_bytes()
+            first = b""
+            while not first:
+                first = await chunks.__anext__()
+    except BaseException as exc:
+        if resp is not None:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+        call.end(isinstance(exc, ProxyError))
+        if isinstance(exc, httpx.HTTPError):
+            raise classify(role, url, exc) from exc
+        if isinstance(exc, TimeoutError):
+            raise _deadline(role, url, timeout_s) from exc
+        if isinstance(exc, StopAsyncIteration):
+            raise UpstreamFailure(role, url, FailureKind.BAD_ANSWER, "closed its stream without data") from None
+        raise
+    return OpenStream(resp, chunks, first, call)
+
+
+def _deadline(role: Role, url: str, timeout_s: float) -> UpstreamFailure:
+    return UpstreamFailure(role, url, FailureKind.TIMEOUT, f"timed out (no answer within {timeout_s:g} s)")

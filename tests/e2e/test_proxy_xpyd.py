@@ -1,0 +1,326 @@
+"""The example proxy in front of 2 prefill + 2 decode real vLLM servers (NIXL, params flow): outputs equal a
+colocated run, every server serves, a killed D is evicted and used again once restarted, client disconnects
+abort D and free P's blocks, bad input gets OpenAI-style errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from kv_connectors.testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, make_prompts, metric, pd_server
+from kv_connectors.testing.cluster import stats, wait_until
+from kv_connectors.testing.procs import VllmServer
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+MAX_TOKENS = 8
+CONCURRENCY = 8
+D_CONFIG = {"handshake_timeout_s": 5, "transfer_timeout_s": 10}
+WORDS = ("the garden paper river stone light window morning music table quiet green letter city road "
+         "winter bread friend story north").split()
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "cmpl_ids" | "cmpl_text" | "chat"
+    prompt: Any
+    stream: bool
+    max_tokens: int = MAX_TOKENS
+
+    def body(self) -> tuple[str, dict[str, Any]]:
+        base: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0, "stream": self.stream}
+        if self.kind == "chat":
+            return "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": self.prompt}]}
+        return "/v1/completions", {**base, "prompt": self.prompt, "return_token_ids": True}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    output: Any = None  # completions: (prompt token ids, output token ids); chat: the text
+    error: str = ""
+
+
+def make_cases(n: int, seed: int, max_tokens: int = MAX_TOKENS) -> list[Case]:
+    rng = random.Random(seed)
+    id_prompts = make_prompts([rng.randrange(2, 300) for _ in range(n)], seed=seed)
+    cases = []
+    for i in range(n):
+        kind = ("cmpl_ids", "cmpl_text", "chat")[i % 3]
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 120)))
+        cases.append(Case(kind, id_prompts[i] if kind == "cmpl_ids" else text, (i // 3) % 2 == 0, max_tokens))
+    return cases
+
+
+def _events(resp: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def run_case(url: str, case: Case, timeout: float = 120.0) -> Outcome:
+    """One request; a clear error (HTTP error JSON or SSE error event) is an Outcome, anything else raises."""
+    path, body = case.body()
+    with httpx.Client(timeout=timeout) as client:
+        if not case.stream:
+            resp = client.post(url + path, json=body)
+            if resp.status_code != 200:
+                return Outcome(False, error=f"{resp.status_code}: {resp.json()['error']['message']}")
+            choice = resp.json()["choices"][0]
+            if case.kind == "chat":
+                return Outcome(True, choice["message"]["content"])
+            return Outcome(True, (choice["prompt_token_ids"], choice["token_ids"]))
+        prompt_ids: list[int] = []
+        out_ids: list[int] = []
+        text = ""
+        with client.stream("POST", url + path, json=body) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                return Outcome(False, error=f"{resp.status_code}: {resp.json()['error']['message']}")
+            for event in _events(resp):
+                if "error" in event:
+                    return Outcome(False, error=f"stream: {event['error']['message']}")
+                for choice in event["choices"]:
+                    prompt_ids += choice.get("prompt_token_ids") or []
+                    out_ids += choice.get("token_ids") or []
+                    text += (choice.get("delta") or {}).get("content") or ""
+    return Outcome(True, text if case.kind == "chat" else (prompt_ids, out_ids))
+
+
+def run_all(url: str, cases: list[Case], on_done: Any = None) -> list[Outcome]:
+    def one(case: Case) -> Outcome:
+        outcome = run_case(url, case)
+        if on_done is not None:
+            on_done()
+        return outcome
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(one, cases))
+
+
+def expected(reference: VllmServer, cases: list[Case]) -> list[Outcome]:
+    """The colocated server's answers, asked without streaming (the same greedy output)."""
+    refs = run_all(reference.url, [Case(c.kind, c.prompt, False, c.max_tokens) for c in cases])
+    assert all(r.ok for r in refs), [r.error for r in refs if not r.ok]
+    return refs
+
+
+def proxy_health(proxy: ProxyProcess) -> dict[str, Any]:
+    return httpx.get(f"{proxy.url}/health", timeout=5).json()
+
+
+def proxy_metric(proxy: ProxyProcess, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    total = 0.0
+    for line in httpx.get(f"{proxy.url}/metrics", timeout=5).text.splitlines():
+        key, _, value = line.rpartition(" ")
+        metric_name, _, rest = key.partition("{")
+        if metric_name == name and all(part in rest for part in want.split(",") if part):
+            total += float(value)
+    return total
+
+
+class XPyD:
+    """2 P + 2 D behind the proxy: P1/D1 are the session's servers, P2/D2 this module's (D2 gets killed),
+    and the session's colocated reference."""
+
+    def __init__(self, tiny_model: Any) -> None:
+        self.tiny_model = tiny_model
+        self.p2 = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P2", max_model_len=MAX_MODEL_LEN)
+        self.d2 = self.new_d2()
+        self.p1: VllmServer | None = None
+        self.d1: VllmServer | None = None
+        self.reference: VllmServer | None = None
+        self.proxy: ProxyProcess | None = None
+
+    @property
+    def prefill(self) -> list[VllmServer]:
+        return [self.p1, self.p2]  # type: ignore[list-item]
+
+    @property
+    def decode(self) -> list[VllmServer]:
+        return [self.d1, self.d2]  # type: ignore[list-item]
+
+    def new_d2(self, port: int | None = None, side_channel_port: int | None = None) -> VllmServer:
+        return pd_server(self.tiny_model, "kv_consumer", form=ENTRY_POINT_FORM, name="D2",
+                         max_model_len=MAX_MODEL_LEN, extra_config=D_CONFIG, port=port,
+                         side_channel_port=side_channel_port)
+
+    def start_proxy(self) -> None:
+        for server in (self.p2, self.d2):
+            server.wait_ready()
+        self.proxy = ProxyProcess([p.url for p in self.prefill], [d.url for d in self.decode],
+                                  extra_args=["--health-interval-s", "0.5", "--health-timeout-s", "2",
+                                              "--decode-timeout-s", "60"])
+        self.proxy.start()
+        self.proxy.wait_ready()
+
+    def stop(self) -> None:
+        for proc in (self.proxy, self.d2, self.p2):
+            if proc is not None:
+                proc.stop()
+
+
+@pytest.fixture(scope="module")
+def xpyd(tiny_model, request) -> Iterator[XPyD]:
+    """Module scope: P2, D2 and the proxy go away when this file is done (memory on small hosts).
+    P2 and D2 boot while the session's servers start (the tests do not ask for those directly, since pytest
+    would start session fixtures first)."""
+    cluster = XPyD(tiny_model)
+    try:
+        cluster.p2.start()
+        cluster.d2.start()
+        cluster.p1 = request.getfixturevalue("prefill_server")
+        cluster.d1 = request.getfixturevalue("decode_server")
+        cluster.reference = request.getfixturevalue("reference")
+        cluster.start_proxy()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _compare(cases: list[Case], got: list[Outcome], want: list[Outcome]) -> list[str]:
+    bad = []
+    for i, (case, g, w) in enumerate(zip(cases, got, want)):
+        if not g.ok:
+            bad.append(f"#{i} {case.kind} stream={case.stream}: error {g.error}")
+        elif g.output != w.output:
+            bad.append(f"#{i} {case.kind} stream={case.stream}: {g.output!r} != colocated {w.output!r}")
+    return bad
+
+
+def test_100_requests_equal_colocated_and_every_server_serves(xpyd: XPyD) -> None:
+    cases = make_cases(100, seed=21)
+    want = expected(xpyd.reference, cases)
+    assert len({repr(w.output) for w in want}) > 50, "tiny model output is near-constant"
+    p0, d0 = [stats(p) for p in xpyd.prefill], [stats(d) for d in xpyd.decode]
+    ok0 = proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="ok")
+    got = run_all(xpyd.proxy.url, cases)
+    bad = _compare(cases, got, want)
+    assert not bad, f"{len(bad)} of {len(cases)} differ: " + "; ".join(bad[:5])
+    assert proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="ok") - ok0 == len(cases)
+
+    sends = [stats(p).completed_sends - s.completed_sends for p, s in zip(xpyd.prefill, p0)]
+    loads = [stats(d).recv_transfers - s.recv_transfers for d, s in zip(xpyd.decode, d0)]
+    assert all(n >= 20 for n in sends), f"P completed sends {sends}"
+    assert all(n >= 20 for n in loads), f"D loads {loads}"
+    assert all(stats(d).recv_failures == s.recv_failures for d, s in zip(xpyd.decode, d0))
+    health = proxy_health(xpyd.proxy)
+    assert [b["served"] > 0 for b in health["prefill"] + health["decode"]] == [True] * 4
+    print(f"\n100 requests: P completed sends {sends}, D loads {loads}, "
+          f"proxy served P {[b['served'] for b in health['prefill']]} D {[b['served'] for b in health['decode']]}")
+    # 40 s: longer than a lease (30 s) an earlier test file may have left on the shared P
+    wait_until(lambda: all(stats(p).held_blocks == 0 for p in xpyd.prefill), 40, "both P to free every block")
+
+
+def test_client_disconnect_mid_stream_aborts_d_and_frees_p(xpyd: XPyD) -> None:
+    prompt = make_prompts([40], seed=5)[0]
+    max_tokens = MAX_MODEL_LEN - 40 - 2
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    gen0 = sum(metric(d.url, "vllm:generation_tokens_total") for d in xpyd.decode)
+    gone0 = proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="client_disconnected")
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{xpyd.proxy.url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            chunks = resp.iter_bytes()
+            for _ in range(3):
+                next(chunks)
+        # leaving the block closes the connection mid-stream
+    wait_until(lambda: all(metric(d.url, "vllm:num_requests_running") == 0 for d in xpyd.decode), 15,
+               "D to abort the request")
+    generated = sum(metric(d.url, "vllm:generation_tokens_total") for d in xpyd.decode) - gen0
+    assert generated < max_tokens, f"D generated {generated} of {max_tokens} tokens: not aborted"
+    wait_until(lambda: all(stats(p).held_blocks == 0 for p in xpyd.prefill), 15, "both P to free the blocks")
+    wait_until(lambda: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="client_disconnected")
+               == gone0 + 1, 10, "the proxy to count the disconnect")
+    assert all(b["outstanding"] == 0 for b in proxy_health(xpyd.proxy)["decode"])
+
+
+@pytest.mark.parametrize("path, kwargs, status, words", [
+    ("/v1/completions", {"content": b"{oops"}, 400, "invalid JSON"),
+    ("/v1/completions", {"json": [1, 2]}, 400, "JSON object"),
+    ("/v1/completions", {"json": {"max_tokens": 4}}, 400, "'prompt'"),
+    ("/v1/chat/completions", {"json": {"messages": "hello"}}, 400, "'messages'"),
+    ("/v1/completions", {"json": {"prompt": "a", "max_tokens": -3}}, 400, "'max_tokens'"),
+    ("/v1/completions", {"json": {"prompt": "a", "stream": "no"}}, 400, "'stream'"),
+    ("/v1/completions", {"json": {"prompt": "a", "n": 3}}, 400, "'n' > 1"),
+    ("/v1/completions", {"json": {"prompt": "x" * (9 << 20)}}, 413, "exceeds"),
+    ("/v1/completions", {"json": {"prompt": make_prompts([MAX_MODEL_LEN + 50])[0], "max_tokens": 4}}, 400,
+     "maximum context length"),
+    ("/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "word " * 900}], "stream": True}},
+     400, "context length"),
+])
+def test_bad_input_gets_openai_errors_and_proxy_keeps_serving(xpyd: XPyD, path: str, kwargs: dict, status: int,
+                                                             words: str) -> None:
+    resp = httpx.post(xpyd.proxy.url + path, timeout=60, **kwargs)
+    assert resp.status_code == status, resp.text[:300]
+    error = resp.json()["error"]
+    assert words in error["message"] and error["type"], error
+    assert run_case(xpyd.proxy.url, Case("cmpl_ids", [5, 6, 7, 8], stream=False)).ok
+
+
+def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> None:
+    reference = xpyd.reference
+    cases = make_cases(48, seed=33, max_tokens=96)  # long enough to be in flight on D2 when it dies
+    want = expected(reference, cases)
+    before = {name: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome=name)
+              for name in ("ok", "upstream_error", "upstream_timeout", "failed_mid_stream", "no_backend")}
+    retries0 = proxy_metric(xpyd.proxy, "kvc_proxy_retries_total", role="decode")
+    done = [0]
+    lock = threading.Lock()
+    kill_now = threading.Event()
+
+    def on_done() -> None:
+        with lock:
+            done[0] += 1
+            if done[0] == 10:
+                kill_now.set()
+
+    d2 = xpyd.d2
+    killer = threading.Thread(target=lambda: kill_now.wait(120) and os.killpg(d2.pgid, signal.SIGKILL))
+    killer.start()
+    got = run_all(xpyd.proxy.url, cases, on_done)
+    killer.join()
+    d2.stop()
+    assert not d2.group_alive()
+
+    # No request lost: each one equals the colocated output or carries a clear error, and the proxy counted both.
+    errors = [g for g in got if not g.ok]
+    bad = [b for b in _compare(cases, got, want) if ": error " not in b]
+    assert not bad, bad
+    after = {name: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome=name) for name in before}
+    assert after["ok"] - before["ok"] == len(cases) - len(errors)
+    assert sum(after[n] - before[n] for n in before if n != "ok") == len(errors), (errors, after, before)
+    assert len(errors) <= CONCURRENCY, errors  # only requests already streaming from D2 may fail
+    retries = proxy_metric(xpyd.proxy, "kvc_proxy_retries_total", role="decode") - retries0
+    print(f"\nD2 killed after 10 of {len(cases)} requests: {len(cases) - len(errors)} ok, {len(errors)} clear errors "
+          f"{[e.error[:80] for e in errors]}, decode retries {retries:g}, outcomes "
+          f"{ {n: after[n] - before[n] for n in before} }")
+    assert retries >= 1
+
+    # The dead D is out of rotation and new requests succeed on the other one.
+    wait_until(lambda: not proxy_health(xpyd.proxy)["decode"][1]["healthy"], 10, "the proxy to evict D2")
+    assert proxy_metric(xpyd.proxy, "kvc_proxy_evictions_total", role="decode") >= 1
+    fresh = make_cases(6, seed=44)
+    assert not _compare(fresh, run_all(xpyd.proxy.url, fresh), expected(reference, fresh))
+
+    # Restarted on the same ports, it is put back and serves again.
+    xpyd.d2 = xpyd.new_d2(port=d2.port, side_channel_port=d2.side_channel_port)  # type: ignore[attr-defined]
+    xpyd.d2.start()
+    xpyd.d2.wait_ready()
+    wait_until(lambda: proxy_health(xpyd.proxy)["decode"][1]["healthy"], 15, "the proxy to restore D2")
+    served0 = proxy_health(xpyd.proxy)["decode"][1]["served"]
+    loads0 = stats(xpyd.d2).recv_transfers
+    again = make_cases(8, seed=55)
+    assert not _compare(again, run_all(xpyd.proxy.url, again), expected(reference, again))
+    assert proxy_health(xpyd.proxy)["decode"][1]["served"] - served0 >= 2
+    assert stats(xpyd.d2).recv_transfers - loads0 >= 1
