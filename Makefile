@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test test-unit test-transports test-e2e bench clean
+.PHONY: all setup demo test test-unit test-transports test-e2e bench bench-e2e clean
 
 all: test
 
@@ -43,6 +43,14 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(VPY) benchmarks/bench_transport.py --size-mib 256 --block-kib 16 --order sequential
 	$(VPY) benchmarks/bench_transport.py --size-mib 256 --block-kib 16 --order shuffled
+	$(VPY) benchmarks/bench_hooks.py
+
+# Real vLLM servers, one configuration after another (minutes): TTFT against vLLM's built-in
+# connector and colocated, layer-wise push, the proxy's own latency.
+bench-e2e: $(STAMP)
+	$(VPY) benchmarks/bench_e2e.py --model-size medium $(BENCH_ARGS)
+	$(VPY) benchmarks/bench_layerwise.py
+	$(VPY) benchmarks/bench_proxy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

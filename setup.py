@@ -31,6 +31,7 @@ setup(
             "uvicorn",
             "transformers",
             "tokenizers",
+            "matplotlib",  # benchmarks' --plot (tested)
         ],
     },
     entry_points={

@@ -9,11 +9,16 @@ import logging
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable (--sweep, --plot)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import TransferPlan, plan_transfer
@@ -299,6 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "memcpy_gbps_best": round(max(mem), 3),
             "memcpy": "numpy.copyto of one contiguous buffer (single-thread memcpy)",
             "ratio": round(statistics.median(gbps) / statistics.median(mem), 3),
+            "xfer_ms": round(statistics.median(secs) * 1e3, 3),
+            "memcpy_ms": round(plan.total_bytes / statistics.median(mem) / 1e6, 3),
             "latency_us_1block": round(statistics.median(lat) * 1e6, 1) if lat else None,
             "progress_delay_us": args.progress_delay_us if args.transport == "nixl" else None,
             "num_threads": args.num_threads if args.transport == "nixl" else None,
@@ -336,7 +343,8 @@ def report(r: dict[str, Any]) -> None:
     if r["staging"]:
         print(f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak "
               f"{r['pool_peak_slots']} slots in use (D)")
-    print(f"1-block {r['op'].lower()} latency (all layers, {r['layers']} descriptors): median {r['latency_us_1block']} us "
+    print(f"1-block {r['op'].lower()} latency (all layers, {r['layers']} descriptors): "
+          f"median {r['latency_us_1block']} us "
           + (f"(progress delay {r['progress_delay_us']} us, " if r["transport"] == "nixl"
              else f"(max batch {r['max_batch']}, ") + f"poll {r['poll_us']} us)")
     expected = r["repeat"] + 1
@@ -344,15 +352,24 @@ def report(r: dict[str, Any]) -> None:
         print(f"WARNING: the other process received {r['notifs_at_p']} of {expected} transfer notifications")
 
 
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    values = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [v for v in values if v not in allowed]
+    if not values or bad:
+        raise SystemExit(f"{flag}: {text!r}; choose from {', '.join(allowed)} (comma-separated with --sweep)")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--transport", choices=["nixl", "mooncake"], default="nixl")
+    ap.add_argument("--transport", default="nixl", help="nixl or mooncake (--sweep: a comma-separated list)")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--block-kib", type=int, default=16)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--order", choices=["sequential", "shuffled"], default="shuffled")
-    ap.add_argument("--mode", choices=["pull", "push"], default="pull",
-                    help="pull: this process READs the other's blocks; push: it WRITEs its blocks into the other's")
+    ap.add_argument("--order", default="shuffled", help="sequential or shuffled (--sweep: a list)")
+    ap.add_argument("--mode", default="pull",
+                    help="pull: this process READs the other's blocks; push: it WRITEs its blocks into the other's "
+                         "(--sweep: a list)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--latency-samples", type=int, default=50)
     ap.add_argument("--progress-delay-us", type=int, default=1000)
@@ -360,15 +377,37 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=1000, help="Mooncake only: runs per engine batch")
     ap.add_argument("--mooncake-protocol", default="tcp", help="Mooncake only: engine protocol")
     ap.add_argument("--poll-us", type=float, default=50.0, help="sleep between polls")
-    ap.add_argument("--staging", choices=["on", "off"], default="off", help="move blocks through a host pool")
+    ap.add_argument("--staging", default="off", help="on: move blocks through a host pool; off (--sweep: a list)")
     ap.add_argument("--pool-mib", type=int, default=32, help="staging only: host pool size")
     ap.add_argument("--chunk-kib", type=int, default=1024, help="staging only: chunk (pool slot) size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", action="store_true",
+                    help="transfer time against KV size (--sizes-mib) for every transport, mode, order and "
+                         "staging given")
+    ap.add_argument("--sizes-mib", default=",".join(str(4**i) for i in range(6)),
+                    help="--sweep: KV sizes in MiB (default 1,4,16,64,256,1024); sizes that do not fit memory "
+                         "are skipped")
+    ap.add_argument("--plot", metavar="FILE.png", help="--sweep: draw transfer time against KV size")
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    axes = {
+        "transport": _choices(args.transport, ("nixl", "mooncake"), "--transport"),
+        "mode": _choices(args.mode, ("pull", "push"), "--mode"),
+        "order": _choices(args.order, ("sequential", "shuffled"), "--order"),
+        "staging": _choices(args.staging, ("off", "on"), "--staging"),
+    }
     logging.basicConfig(level=logging.WARNING)
+    if args.sweep:
+        from benchmarks.transport_sweep import run_sweep
+
+        run_sweep(args, axes, run)
+        return
+    if any(len(v) > 1 for v in axes.values()) or args.plot:
+        ap.error("lists of transports/modes/orders/staging and --plot need --sweep")
+    for key, values in axes.items():
+        setattr(args, key, values[0])
     result = run(args)
     report(result)
     if args.json:

@@ -164,6 +164,8 @@ class Receiver:
         )
         task.phase = RecvPhase.REQUESTED
         task.started = time.monotonic()
+        # Set now: P's notification may complete the task before its acknowledgement is seen.
+        task.num_bytes = len(task.local_block_ids) * self._layout.block_bytes
 
     def _advance_request(self, task: RecvTask, now: float) -> None:
         future = task.handle
@@ -184,8 +186,6 @@ class Receiver:
             return
         task.phase = RecvPhase.TRANSFER  # handle None: waiting for P's notification
         task.deadline = now + self._cfg.transfer_timeout_s
-        layout = self._peers[task.peer_key].layout
-        task.num_bytes = len(task.local_block_ids) * self._layout.block_bytes if layout else 0
 
     def _post_read(self, task: RecvTask, peer: _Peer) -> None:
         assert peer.layout is not None

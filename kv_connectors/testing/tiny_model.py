@@ -32,12 +32,19 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-# Architecture of each variant; everything else (vocab, rope, norms) is shared.
+MAX_POSITION_EMBEDDINGS = 2048
+# Architecture of each variant; everything else (vocab, rope, norms) is shared. `positions` (max
+# position embeddings) defaults to MAX_POSITION_EMBEDDINGS; a variant that sets it fits longer prompts.
 VARIANTS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=256),
     "base": dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536),
+    # Benchmark sizes (bench_e2e.py --model-size): KV large enough for its transfer to matter.
+    # small: ~88 MB of float32 weights, 32 KiB of KV per token; medium: ~346 MB, 72 KiB per token.
+    "small": dict(hidden=512, layers=8, heads=8, kv_heads=8, head_dim=64, intermediate=1024, positions=4096),
+    "medium": dict(hidden=768, layers=12, heads=12, kv_heads=12, head_dim=64, intermediate=2048, positions=4096),
 }
-MAX_POSITION_EMBEDDINGS = 2048
+# What bench_e2e.py --model-size offers, smallest first.
+MODEL_SIZES = ("tiny", "small", "medium")
 INIT_STD = 0.02
 # At std 0.02 a random Llama's greedy output is near-constant (PLATFORM.md); x4 makes it vary.
 INIT_SCALE = 4.0
@@ -80,7 +87,26 @@ def training_text(seed: int = 0, n_lines: int = 6000) -> list[str]:
     return lines
 
 
-def _build_tokenizer(out_dir: Path, seed: int) -> None:
+def max_positions(variant: str) -> int:
+    """The longest sequence (prompt + output) a variant's config allows."""
+    return VARIANTS[variant].get("positions", MAX_POSITION_EMBEDDINGS)
+
+
+def weight_bytes(variant: str) -> int:
+    """Bytes of the variant's float32 weights (what model.safetensors holds, without its header)."""
+    a = VARIANTS[variant]
+    h, q_out, kv_out = a["hidden"], a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"]
+    per_layer = 2 * h + 2 * q_out * h + 2 * kv_out * h + 3 * a["intermediate"] * h
+    return 4 * (2 * VOCAB_SIZE * h + h + a["layers"] * per_layer)
+
+
+def kv_bytes_per_token(variant: str, dtype_bytes: int = 4) -> int:
+    """KV cache bytes one token takes over all layers (K and V)."""
+    a = VARIANTS[variant]
+    return a["layers"] * 2 * a["kv_heads"] * a["head_dim"] * dtype_bytes
+
+
+def _build_tokenizer(out_dir: Path, seed: int, positions: int = MAX_POSITION_EMBEDDINGS) -> None:
     """Train a byte-level BPE of VOCAB_SIZE on local text; write tokenizer.json + config."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -111,7 +137,7 @@ def _build_tokenizer(out_dir: Path, seed: int) -> None:
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "model_max_length": positions,
         "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
@@ -133,7 +159,7 @@ def _model_config(arch: dict[str, int]) -> dict[str, Any]:
         "num_key_value_heads": arch["kv_heads"],
         "head_dim": arch["head_dim"],
         "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "max_position_embeddings": arch.get("positions", MAX_POSITION_EMBEDDINGS),
         "initializer_range": INIT_STD,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
@@ -254,7 +280,7 @@ def build_tiny_model(
             tmp / "generation_config.json",
             {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "do_sample": False},
         )
-        _build_tokenizer(tmp, seed)
+        _build_tokenizer(tmp, seed, max_positions(variant))
         save_file(_random_weights(arch, seed), str(tmp / "model.safetensors"))
         info = {"recipe": RECIPE_VERSION, "variant": variant, "seed": seed, "arch": arch}
         _write_json(tmp / MARKER_FILE, {**info, "digest": _digest(tmp)})

@@ -1,0 +1,84 @@
+"""bench_e2e.py's load: streamed greedy completions at a concurrency level, timing the first token and the end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from benchmarks.e2e_stats import Sample
+
+
+class RequestFailed(Exception):
+    """A benchmark request got an error status, an error chunk, no token, or ran past its deadline."""
+
+
+def request_body(prompt: Sequence[int], max_tokens: int) -> dict[str, object]:
+    """Greedy, streamed, exactly max_tokens tokens (ignore_eos), token ids in every chunk."""
+    return {"prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "return_token_ids": True, "ignore_eos": True}
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt: Sequence[int], max_tokens: int) -> Sample:
+    """POST one streamed completion; TTFT = time to the first SSE chunk carrying a token."""
+    t0 = time.perf_counter()
+    first: float | None = None
+    first_tokens = 0
+    ids: list[int] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=request_body(prompt, max_tokens)) as r:
+        if r.status_code != 200:
+            body = (await r.aread()).decode("utf-8", errors="replace")
+            raise RequestFailed(f"HTTP {r.status_code}: {body[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data.strip() == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RequestFailed(f"error chunk: {str(chunk['error'])[:300]}")
+            for choice in chunk.get("choices") or ():
+                tokens = choice.get("token_ids") or ()
+                if tokens and first is None:
+                    first = time.perf_counter()
+                    first_tokens = len(tokens)
+                ids.extend(tokens)
+                if choice.get("finish_reason") == "error":
+                    raise RequestFailed("finish_reason error")
+    end = time.perf_counter()
+    if first is None:
+        raise RequestFailed("the stream carried no token")
+    return Sample(len(prompt), first - t0, end - t0, tuple(ids), first_tokens)
+
+
+async def _run(url: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
+               timeout_s: float) -> tuple[list[Sample | RequestFailed], float]:
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+
+        async def guarded(prompt: Sequence[int]) -> Sample | RequestFailed:
+            async with gate:
+                try:
+                    return await asyncio.wait_for(stream_one(client, url, prompt, max_tokens), timeout_s)
+                except asyncio.TimeoutError:
+                    return RequestFailed(f"no complete answer within {timeout_s:g} s")
+                except (RequestFailed, httpx.HTTPError, ValueError) as e:
+                    return e if isinstance(e, RequestFailed) else RequestFailed(f"{type(e).__name__}: {e}")
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(guarded(p) for p in prompts))
+        return list(results), time.perf_counter() - t0
+
+
+def run_load(url: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
+             timeout_s: float = 300.0) -> tuple[list[Sample | RequestFailed], float]:
+    """Every prompt once, at most `concurrency` in flight, in order of submission; (results in prompt order, wall s)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    return asyncio.run(_run(url, prompts, max_tokens, concurrency, timeout_s))
