@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kv_connectors.errors import TransportError
 from kv_connectors.staging.chunks import one_run
 from kv_connectors.staging.messages import (
@@ -66,24 +68,21 @@ class Initiator:
     _waiters: collections.deque[Any]
     _send: Callable[[str, Msg], None]
     _flush: Callable[..., None]
-    _copy: Callable[[Any], None]
+    _copy: Callable[[np.ndarray, np.ndarray, np.ndarray], None]
     _take: Callable[..., int]
     _give: Callable[..., None]
     _grant: Callable[[], None]
     _fail: Callable[[StagedXfer, TransportError], None]
+    _settle: Callable[[Any], XferState | TransportError]
 
     def _poll_chunk(self, x: StagedXfer, c: Chunk) -> None:
-        try:
-            state = self._inner.poll(c.inner)
-        except TransportError as e:
-            self._inner.release(c.inner)
-            c.inner = None
-            self._fail(x, e)
+        ended = self._settle(c.inner)
+        if ended is XferState.IN_PROGRESS:
             return
-        if state is XferState.IN_PROGRESS:
-            return
-        self._inner.release(c.inner)
         c.inner = None
+        if isinstance(ended, TransportError):
+            self._fail(x, ended)
+            return
         self._peers[x.peer_name].last_heard = time.monotonic()
         try:
             if c.phase is Phase.READING:
@@ -102,9 +101,7 @@ class Initiator:
         """READ: the chunk is in our slot; copy it into our KV cache, free both slots."""
         assert x._chunks is not None and c.slot is not None
         sl = x._chunks.pieces(c.index)
-        base = self._pool_base + c.slot
-        self._copy(zip(x._chunks.dst[sl].tolist(), (base + x._chunks.slot_off[sl]).tolist(),
-                       x._chunks.length[sl].tolist()))
+        self._copy(x._chunks.dst[sl], self._pool_base + c.slot + x._chunks.slot_off[sl], x._chunks.length[sl])
         self._give(c.slot, own=True)
         c.slot = None
         self._send(x.peer_name, Free(x._id, c.index, c.remote_off))
@@ -140,9 +137,7 @@ class Initiator:
             if x.op == "READ":
                 self._send(x.peer_name, Stage(x._id, k, pack_runs(x._chunks.src[sl], x._chunks.length[sl])))
             else:
-                base = self._pool_base + c.slot
-                self._copy(zip((base + x._chunks.slot_off[sl]).tolist(), x._chunks.src[sl].tolist(),
-                               x._chunks.length[sl].tolist()))
+                self._copy(self._pool_base + c.slot + x._chunks.slot_off[sl], x._chunks.src[sl], x._chunks.length[sl])
                 c.phase = Phase.WAIT_SLOT
                 self._send(x.peer_name, Want(x._id, k, c.nbytes))
         except TransportError as e:

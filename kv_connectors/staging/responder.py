@@ -54,7 +54,7 @@ class Responder:
     _served: dict[tuple[str, int, int], Serve]
     _aborted: collections.OrderedDict[tuple[str, int], None]
     _send: Callable[[str, Msg], None]
-    _copy: Callable[[Any], None]
+    _copy: Callable[[np.ndarray, np.ndarray, np.ndarray], None]
     _check_kv: Callable[[np.ndarray, np.ndarray, str], None]
     _take: Callable[..., int]
     _give: Callable[..., None]
@@ -66,8 +66,7 @@ class Responder:
         try:
             if s.op == "READ":
                 addr, length = unpack_runs(s.runs)
-                offs = np.cumsum(length) - length + self._pool_base + s.slot
-                self._copy(zip(offs.tolist(), addr.tolist(), length.tolist()))
+                self._copy(self._slot_pieces(s, length), addr, length)
                 self._send(s.peer, Ready(s.xfer, s.chunk, s.slot))
             else:
                 self._send(s.peer, Slot(s.xfer, s.chunk, s.slot))
@@ -115,8 +114,7 @@ class Responder:
             self._check_kv(addr, length, f"runs written by {peer}")
             if int(length.sum()) != s.nbytes:
                 raise TransportError(f"SCATTER of {int(length.sum())} bytes into a slot granted for {s.nbytes}")
-            offs = np.cumsum(length) - length + self._pool_base + s.slot
-            self._copy(zip(addr.tolist(), offs.tolist(), length.tolist()))
+            self._copy(addr, self._slot_pieces(s, length), length)
         except TransportError as e:
             self._unserve(s)
             self._send(peer, Error(m.xfer, True, error_kind(e), f"staging {self.name}: {e}"))
@@ -124,6 +122,10 @@ class Responder:
         self._unserve(s)
         self._send(peer, Scattered(m.xfer, m.chunk))
         self._grant()
+
+    def _slot_pieces(self, s: Serve, length: np.ndarray) -> np.ndarray:
+        """Addresses of pieces of these lengths packed from the start of the slot s holds."""
+        return np.cumsum(length) - length + self._pool_base + s.slot
 
     def _unserve(self, s: Serve) -> None:
         if self._served.pop((s.peer, s.xfer, s.chunk), None) is not None:

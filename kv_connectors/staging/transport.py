@@ -227,8 +227,7 @@ class StagedTransport(Initiator, Responder):
         self._inner.disconnect(peer_name)
 
     def _forget(self, peer_name: str, err: TransportError) -> None:
-        for x in [x for x in self._xfers.values() if x.peer_name == peer_name]:
-            self._fail(x, err)
+        self._fail_peer(peer_name, err)
         self._drop_served(peer_name)
         peer = self._peers.pop(peer_name)
         if peer.probe is not None:
@@ -376,16 +375,14 @@ class StagedTransport(Initiator, Responder):
         for name, peer in list(self._peers.items()):
             if peer.probe is None:
                 continue
-            try:
-                state = self._inner.poll(peer.probe)
-            except TransportError as e:
-                self._inner.release(peer.probe)
-                peer.probe = None
-                self._probe_failed(name, e)
+            ended = self._settle(peer.probe)
+            if ended is XferState.IN_PROGRESS:
                 continue
-            if state is XferState.DONE:
-                self._inner.release(peer.probe)
-                peer.probe, peer.last_heard = None, now
+            peer.probe = None
+            if isinstance(ended, TransportError):
+                self._probe_failed(name, ended)
+            else:
+                peer.last_heard = now
 
     def _grant(self) -> None:
         """Hand free slots to waiters in arrival order (our transfers only up to slots - 1)."""
@@ -434,26 +431,28 @@ class StagedTransport(Initiator, Responder):
         self._aborting.append(x)
         self._drain(x)  # the peer hears of it once no write of ours can land in its slots
 
+    def _fail_peer(self, peer_name: str, err: TransportError) -> None:
+        """Fail every unfinished transfer of ours with that peer."""
+        for x in [x for x in self._xfers.values() if x.peer_name == peer_name]:
+            self._fail(x, err)
+
     def _drain(self, x: StagedXfer) -> None:
         keep = []
         now = time.monotonic()
         peer = self._peers.get(x.peer_name)
         gone = peer is None or peer.dead is not None  # nothing more can arrive: released handles are over
         for handle, slot, deadline in x._draining:
-            try:
-                over = gone or self._inner.poll(handle) is XferState.DONE
-            except TransportError:
-                over = True
-            if not over and now > deadline:
+            if gone:
+                self._inner.release(handle)
+            elif self._settle(handle) is XferState.IN_PROGRESS:  # an error ends it too
+                if now <= deadline:
+                    keep.append((handle, slot, deadline))
+                    continue
                 logger.warning("staging %s: an aborted %s to %s did not end in %.0f s; reusing its slot",
                                self.name, x.op, x.peer_name, self._drain_timeout)
-                over = True
-            if over:
                 self._inner.release(handle)
-                if slot is not None:
-                    self._give(slot, own=True)
-            else:
-                keep.append((handle, slot, deadline))
+            if slot is not None:
+                self._give(slot, own=True)
         x._draining = keep
         if not keep:
             self._aborting.remove(x)
@@ -481,8 +480,7 @@ class StagedTransport(Initiator, Responder):
         if not isinstance(err, PeerDisconnectedError):  # a dead peer is logged once, by _mark_dead
             logger.warning("staging %s: liveness probe of %s failed: %s", self.name, name, err)
         failed = type(err)(f"staging peer {name} failed a liveness probe: {err}")
-        for x in [x for x in self._xfers.values() if x.peer_name == name]:
-            self._fail(x, failed)  # a PeerDisconnectedError also marks the peer dead
+        self._fail_peer(name, failed)  # a PeerDisconnectedError also marks the peer dead
         if name in self._peers:
             self._peers[name].last_heard = time.monotonic()
 
@@ -496,11 +494,21 @@ class StagedTransport(Initiator, Responder):
         if peer.probe is not None:
             self._inner.release(peer.probe)
             peer.probe = None
-        for x in [x for x in self._xfers.values() if x.peer_name == name]:
-            self._fail(x, err)
+        self._fail_peer(name, err)
         self._drop_served(name)
 
     # Helpers -------------------------------------------------------------------------------------
+    def _settle(self, handle: Any) -> XferState | TransportError:
+        """Poll an inner op; one that has ended (DONE, or failed: its error is returned) is released."""
+        try:
+            state = self._inner.poll(handle)
+        except TransportError as e:
+            self._inner.release(handle)
+            return e
+        if state is XferState.DONE:
+            self._inner.release(handle)
+        return state
+
     def _take(self, own: bool) -> int:
         slot = self._free.popleft()
         self._own_slots += own
@@ -512,18 +520,17 @@ class StagedTransport(Initiator, Responder):
         self._free.append(slot)
         self._own_slots -= own
 
-    def _copy(self, pairs: Any) -> None:
-        """Copy (dst, src, length) triples with the copier and wait for them; errors become TransportError."""
+    def _copy(self, dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
+        """Copy length[i] bytes src[i] -> dst[i] with the copier and wait; errors become TransportError."""
         assert self._copier is not None
-        batch = list(pairs)
         try:
-            self._copier.copy(batch)
+            self._copier.copy(list(zip(dst.tolist(), src.tolist(), length.tolist())))
             self._copier.synchronize()
         except TransportError:
             raise
         except Exception as e:
             raise TransportError(f"staging {self.name}: copy failed: {type(e).__name__}: {e}") from e
-        self._bytes_staged += sum(n for _, _, n in batch)
+        self._bytes_staged += int(length.sum())
 
     def _send(self, peer: str, msg: Msg) -> None:
         """Queue a message; a peer's queue goes out as one notification (see _flush). Messages to a
@@ -550,8 +557,7 @@ class StagedTransport(Initiator, Responder):
                 logger.debug("staging %s: could not send %d messages to %s: %s", self.name, len(msgs), peer, e)
                 if isinstance(e, PeerDisconnectedError):
                     self._mark_dead(peer, e)
-                for x in [x for x in self._xfers.values() if x.peer_name == peer]:
-                    self._fail(x, e)
+                self._fail_peer(peer, e)
 
     def _check_kv(self, addr: np.ndarray, length: np.ndarray, what: str) -> None:
         """Every run must lie inside registered KV memory (copies use raw addresses)."""

@@ -2,151 +2,53 @@
 
 from __future__ import annotations
 
-import dataclasses
-import multiprocessing as mp
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransferTimeoutError, TransportError
-from kv_connectors.layout import KVLayout
 from kv_connectors.mooncake.transport import MooncakeTransport
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.transport import XferState
 
 from tests.transports import peer
+from tests.transports.helpers import Local, Peer, open_local, peer_starter, random_pairs, read_until_error, wait_done
+from tests.transports.peer import PeerSpec
 
 pytestmark = pytest.mark.timeout(120)
 
-_CTX = mp.get_context("spawn")
-STARTUP_S = 60.0  # a spawned peer imports numpy and mooncake: slow on a loaded 2-core machine
 WAIT_S = 15.0
 FAULT_DEADLINE_S = 6.0  # a dead peer: engine reconnect attempts (~1-2 s) + our liveness probe
 
 
-@dataclasses.dataclass
-class Peer:
-    """A peer process and its pipe."""
-
-    name: str
-    proc: Any
-    conn: Connection
-    metadata: bytes = b""
-    layout: KVLayout | None = None
-    inbox: list[tuple[str, bytes, str]] = dataclasses.field(default_factory=list)
-
-    def call(self, *cmd: str, timeout: float = WAIT_S) -> Any:
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer {self.name} did not answer {cmd} within {timeout} s")
-        return self.conn.recv()
-
-    def wait_notif(self, sender: str, msg: bytes, timeout: float = WAIT_S) -> str:
-        """Wait for one notification; returns the peer's storage digest taken when it arrived."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.inbox += self.call("notifs")
-            for item in self.inbox:
-                if item[:2] == (sender, msg):
-                    self.inbox.remove(item)
-                    return item[2]
-            time.sleep(0.02)
-        raise AssertionError(f"peer {self.name} did not get notif {(sender, msg)} (got {self.inbox})")
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(WAIT_S)
-        assert not self.proc.is_alive()
-
-
 @pytest.fixture
-def start_peer() -> Iterator[Any]:
-    peers: list[Peer] = []
-
-    def start(name: str = "p", seed: int = 1, profile: str = "small") -> Peer:
-        parent, child = _CTX.Pipe()
-        proc = _CTX.Process(target=peer.serve_mooncake, args=(child, name, seed, profile), daemon=True)
-        proc.start()
-        child.close()
-        p = Peer(name, proc, parent)
-        peers.append(p)
-        if not parent.poll(STARTUP_S):
-            raise TimeoutError(f"peer {name} did not start within {STARTUP_S} s")
-        tag, p.metadata, p.layout = parent.recv()
-        assert tag == "ready"
-        return p
-
-    yield start
-    for p in peers:
-        if p.proc.is_alive():
-            try:
-                p.call("stop", timeout=5.0)
-            except (TimeoutError, OSError, EOFError):
-                pass
-        p.proc.join(5.0)
-        if p.proc.is_alive():
-            p.proc.kill()
-            p.proc.join(5.0)
-        p.conn.close()
+def start_peer() -> Iterator[Callable[..., Peer]]:
+    with peer_starter("mooncake", WAIT_S) as start:
+        yield start
 
 
-@dataclasses.dataclass
-class Local:
-    transport: MooncakeTransport
-    storage: list[np.ndarray]
-    layout: KVLayout
-
-
-def _local(name: str, seed: int, profile: str = "small", max_batch: int = 1000) -> Local:
-    storage = peer.make_kv(seed=seed, profile=profile)
-    transport = MooncakeTransport(f"{name}-{os.getpid()}", max_batch=max_batch)
-    layout = peer.layout_of(storage)
-    transport.register(layout)
-    return Local(transport, storage, layout)
+def _local(name: str, seed: int, profile: str = "small") -> Local:
+    return open_local(PeerSpec("mooncake", f"{name}-{os.getpid()}", seed, profile))
 
 
 @pytest.fixture
 def local() -> Iterator[Local]:
     loc = _local("d", seed=100)
     yield loc
-    loc.transport.close()
-
-
-def _wait_done(t: MooncakeTransport, handle: Any, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    try:
-        while t.poll(handle) is not XferState.DONE:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"transfer not done within {timeout} s")
-            time.sleep(0.001)
-    finally:
-        t.release(handle)
-
-
-def _random_pairs(rng: np.random.Generator, nb: int) -> tuple[list[int], list[int]]:
-    """Shuffled pairs with two runs consecutive on both sides (coalescable) and random singles."""
-    src = [3, 4, 5, 20, 21]
-    dst = [10, 11, 12, 1, 2]
-    rest_src = [b for b in rng.permutation(nb).tolist() if b not in src][:7]
-    rest_dst = [b for b in rng.permutation(nb).tolist() if b not in dst][:7]
-    pairs = list(zip(src + rest_src, dst + rest_dst))
-    order = rng.permutation(len(pairs))
-    return [pairs[i][0] for i in order], [pairs[i][1] for i in order]
+    loc.close()
 
 
 def test_read_random_blocks(local: Local, start_peer: Any) -> None:
     p = start_peer(seed=1)
     t = local.transport
     t.connect(p.name, p.metadata)
-    src_ids, dst_ids = _random_pairs(np.random.default_rng(0), peer.SMALL_BLOCKS)
+    src_ids, dst_ids = random_pairs(np.random.default_rng(0), peer.SMALL_BLOCKS)
     plan = plan_transfer(p.layout, src_ids, local.layout, dst_ids)
     regions = len(local.layout.regions)
     assert regions == 5
@@ -161,7 +63,7 @@ def test_read_random_blocks(local: Local, start_peer: Any) -> None:
     # The notification follows the data: our bytes are final before we even poll.
     for got, want in zip(local.storage, expected):  # copied blocks right, all other bytes untouched
         np.testing.assert_array_equal(got, want)
-    _wait_done(t, handle)
+    wait_done(t, handle, WAIT_S)
     assert p.call("dump")[0].tobytes() == peer.make_kv(seed=1)[0].tobytes()  # source unchanged
 
 
@@ -169,14 +71,14 @@ def test_write_random_blocks_notif_after_data(local: Local, start_peer: Any) -> 
     p = start_peer(seed=2)
     t = local.transport
     t.connect(p.name, p.metadata)
-    src_ids, dst_ids = _random_pairs(np.random.default_rng(1), peer.SMALL_BLOCKS)
+    src_ids, dst_ids = random_pairs(np.random.default_rng(1), peer.SMALL_BLOCKS)
     plan = plan_transfer(local.layout, src_ids, p.layout, dst_ids)
     assert len(local.layout.regions) < plan.num_runs < len(local.layout.regions) * len(src_ids)
     expected = peer.make_kv(seed=2)
     peer.block_copy(expected, local.storage, src_ids, dst_ids)
 
     binary = bytes(range(256))  # any bytes survive (Mooncake notifies carry text)
-    _wait_done(t, t.post_write(p.name, plan, binary))
+    wait_done(t, t.post_write(p.name, plan, binary), WAIT_S)
     digest_at_notif = p.wait_notif(t.name, binary)
     assert digest_at_notif == peer.storage_digest(expected)  # the data had landed when the notif arrived
     for got, want in zip(p.call("dump"), expected):
@@ -216,7 +118,7 @@ def test_plan_larger_than_max_batch(start_peer: Any) -> None:
 
         back = plan_transfer(loc.layout, dst_ids, p.layout, src_ids)  # and write them back, 3 batches too
         want = peer.make_kv(seed=5, profile="big")
-        _wait_done(t, t.post_write(p.name, back, b"big-write"))
+        wait_done(t, t.post_write(p.name, back, b"big-write"), WAIT_S)
         assert p.wait_notif(t.name, b"big-write") == peer.storage_digest(want)
 
         everything = plan_transfer(p.layout, np.arange(peer.BIG_BLOCKS), loc.layout, np.arange(peer.BIG_BLOCKS)[::-1])
@@ -225,7 +127,7 @@ def test_plan_larger_than_max_batch(start_peer: Any) -> None:
         t.release(dropped)  # twice is fine too
         with pytest.raises(TransportError, match="released"):
             t.poll(dropped)
-        _wait_done(t, t.post_read(p.name, plan_transfer(p.layout, [0], loc.layout, [0]), b"after"))
+        wait_done(t, t.post_read(p.name, plan_transfer(p.layout, [0], loc.layout, [0]), b"after"), WAIT_S)
         p.wait_notif(t.name, b"after")
         assert all(m != b"released" for _, m, _ in p.call("notifs"))
     finally:
@@ -237,8 +139,8 @@ def test_empty_plan_delivers_notif(local: Local, start_peer: Any) -> None:
     t = local.transport
     t.connect(p.name, p.metadata)
     before = [a.copy() for a in local.storage]
-    _wait_done(t, t.post_read(p.name, plan_transfer(p.layout, [], local.layout, []), b"empty-read"))
-    _wait_done(t, t.post_write(p.name, plan_transfer(local.layout, [], p.layout, []), b"empty-write"))
+    wait_done(t, t.post_read(p.name, plan_transfer(p.layout, [], local.layout, []), b"empty-read"), WAIT_S)
+    wait_done(t, t.post_write(p.name, plan_transfer(local.layout, [], p.layout, []), b"empty-write"), WAIT_S)
     silent = t.post_read(p.name, plan_transfer(p.layout, [], local.layout, []), b"")
     assert t.poll(silent) is XferState.DONE  # nothing to move, nothing to say
     t.release(silent)
@@ -282,33 +184,11 @@ def test_bad_addresses(local: Local, start_peer: Any) -> None:
     remote_bad = TransferPlan(plan.src - (1 << 30), plan.dst, plan.length, 2)
     handle = t.post_read(p.name, remote_bad, b"never")
     with pytest.raises(TransportError, match="rc -1") as err:  # the peer refuses: alive, not disconnected
-        _wait_done(t, handle)
+        wait_done(t, handle, WAIT_S)
     assert not isinstance(err.value, PeerDisconnectedError)
-    _wait_done(t, t.post_read(p.name, plan, b"fine"))  # the connection still works
+    wait_done(t, t.post_read(p.name, plan, b"fine"), WAIT_S)  # the connection still works
     p.wait_notif(t.name, b"fine")
     assert all(m != b"never" for _, m, _ in p.call("notifs"))
-
-
-def _read_until_error(t: MooncakeTransport, peer_name: str, plan: Any, deadline: float) -> tuple[TransportError, int]:
-    """Post reads back to back until one fails; never waits past deadline (then fails the test)."""
-    done = 0
-    while True:
-        try:
-            handle = t.post_read(peer_name, plan, b"")
-        except TransportError as e:
-            return e, done
-        try:
-            while t.poll(handle) is XferState.IN_PROGRESS:
-                if time.monotonic() > deadline:
-                    raise AssertionError("transfer to a killed peer did not fail before the deadline")
-                time.sleep(0.0005)
-            done += 1
-        except TransportError as e:
-            return e, done
-        finally:
-            t.release(handle)  # never raises, also on a failed or unfinished transfer
-        if time.monotonic() > deadline:
-            raise AssertionError("reads from a killed peer kept succeeding past the deadline")
 
 
 def test_peer_killed_before_read(local: Local, start_peer: Any) -> None:
@@ -316,10 +196,10 @@ def test_peer_killed_before_read(local: Local, start_peer: Any) -> None:
     t = local.transport
     t.connect(p.name, p.metadata)
     plan = plan_transfer(p.layout, [1, 2, 7], local.layout, [4, 5, 9])
-    _wait_done(t, t.post_read(p.name, plan, b""))  # connection is up
+    wait_done(t, t.post_read(p.name, plan, b""), WAIT_S)  # connection is up
     p.kill()
     started = time.monotonic()
-    err, done = _read_until_error(t, p.name, plan, started + FAULT_DEADLINE_S)
+    err, done = read_until_error(t, p.name, plan, started + FAULT_DEADLINE_S)
     assert isinstance(err, PeerDisconnectedError), repr(err)
     assert done == 0
     assert time.monotonic() - started < FAULT_DEADLINE_S
@@ -339,7 +219,7 @@ def test_peer_killed_while_reading(start_peer: Any) -> None:
         killer = threading.Timer(0.3, lambda: os.kill(p.proc.pid, signal.SIGKILL))
         killer.start()
         try:
-            err, done = _read_until_error(t, p.name, plan, time.monotonic() + 0.3 + FAULT_DEADLINE_S)
+            err, done = read_until_error(t, p.name, plan, time.monotonic() + 0.3 + FAULT_DEADLINE_S)
         finally:
             killer.cancel()
         assert isinstance(err, PeerDisconnectedError), repr(err)
@@ -358,12 +238,12 @@ def test_frozen_peer_times_out_and_close_does_not_hang(start_peer: Any, monkeypa
     try:
         t.connect(p.name, p.metadata)
         plan = plan_transfer(p.layout, [1, 2, 7], loc.layout, [4, 5, 9])
-        _wait_done(t, t.post_read(p.name, plan, b""))  # connection is up
+        wait_done(t, t.post_read(p.name, plan, b""), WAIT_S)  # connection is up
         os.kill(p.proc.pid, signal.SIGSTOP)
         started = time.monotonic()
         handle = t.post_read(p.name, plan, b"frozen")
         with pytest.raises(TransferTimeoutError, match="did not answer in time"):
-            _wait_done(t, handle, timeout=20.0)
+            wait_done(t, handle, 20.0)
         assert 4.0 < time.monotonic() - started < 20.0
         stuck = t.post_read(p.name, plan, b"")
         time.sleep(0.2)  # the peer thread is now inside the engine's wait (for 5 s)
@@ -384,7 +264,7 @@ def test_reconnect_restarted_peer(local: Local, start_peer: Any) -> None:
     first = start_peer(name="p", seed=11)
     t.connect("p", first.metadata)
     plan = plan_transfer(first.layout, [0, 1, 2], local.layout, [5, 6, 7])
-    _wait_done(t, t.post_read("p", plan, b"one"))
+    wait_done(t, t.post_read("p", plan, b"one"), WAIT_S)
     first.wait_notif(t.name, b"one")
     first.kill()
 
@@ -394,7 +274,7 @@ def test_reconnect_restarted_peer(local: Local, start_peer: Any) -> None:
     plan = plan_transfer(second.layout, [8, 9, 30], local.layout, [5, 6, 7])
     expected = [a.copy() for a in local.storage]
     peer.block_copy(expected, peer.make_kv(seed=12), [8, 9, 30], [5, 6, 7])
-    _wait_done(t, t.post_read("p", plan, b"two"))
+    wait_done(t, t.post_read("p", plan, b"two"), WAIT_S)
     for got, want in zip(local.storage, expected):
         np.testing.assert_array_equal(got, want)
     second.wait_notif(t.name, b"two")

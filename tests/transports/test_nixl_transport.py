@@ -2,155 +2,50 @@
 
 from __future__ import annotations
 
-import dataclasses
-import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError  # noqa: E402
-from kv_connectors.layout import KVLayout  # noqa: E402
-from kv_connectors.nixl.transport import NixlTransport  # noqa: E402
-from kv_connectors.plan import plan_transfer  # noqa: E402
-from kv_connectors.transport import XferState  # noqa: E402
+from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError
+from kv_connectors.nixl.transport import NixlTransport
+from kv_connectors.plan import plan_transfer
+from kv_connectors.transport import XferState
 
-from tests.transports import peer  # noqa: E402
+from tests.transports import peer
+from tests.transports.helpers import Local, Peer, open_local, peer_starter, random_pairs, read_until_error, wait_done
+from tests.transports.peer import PeerSpec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("loopback_env")]
 
-_CTX = mp.get_context("spawn")
-STARTUP_S = 60.0  # a spawned peer imports numpy and nixl: slow on a loaded 2-core machine
 WAIT_S = 10.0
 FAULT_DEADLINE_S = 5.0
 
 
-@dataclasses.dataclass
-class Peer:
-    """A peer process and its pipe."""
-
-    name: str
-    seed: int
-    profile: str
-    proc: Any
-    conn: Connection
-    metadata: bytes = b""
-    layout: KVLayout | None = None
-    inbox: list[tuple[str, bytes]] = dataclasses.field(default_factory=list)
-
-    def call(self, *cmd: str, timeout: float = WAIT_S) -> Any:
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer {self.name} did not answer {cmd} within {timeout} s")
-        return self.conn.recv()
-
-    def wait_notif(self, sender: str, msg: bytes, timeout: float = WAIT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.inbox += self.call("notifs")
-            if (sender, msg) in self.inbox:
-                self.inbox.remove((sender, msg))
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"peer {self.name} did not get notif {(sender, msg)} (got {self.inbox})")
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(WAIT_S)
-        assert not self.proc.is_alive()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _loopback_env() -> Iterator[None]:
-    old = os.environ.get("UCX_NET_DEVICES")
-    os.environ["UCX_NET_DEVICES"] = old or "lo"  # spawned peers inherit it
-    yield
-    if old is None:
-        os.environ.pop("UCX_NET_DEVICES", None)
-
-
 @pytest.fixture
-def start_peer() -> Iterator[Any]:
-    peers: list[Peer] = []
-
-    def start(name: str = "p", seed: int = 1, profile: str = "small") -> Peer:
-        parent, child = _CTX.Pipe()
-        proc = _CTX.Process(target=peer.serve, args=(child, name, seed, profile), daemon=True)
-        proc.start()
-        child.close()
-        p = Peer(name, seed, profile, proc, parent)
-        peers.append(p)
-        if not parent.poll(STARTUP_S):
-            raise TimeoutError(f"peer {name} did not start within {STARTUP_S} s")
-        tag, p.metadata, p.layout = parent.recv()
-        assert tag == "ready"
-        return p
-
-    yield start
-    for p in peers:
-        if p.proc.is_alive():
-            try:
-                p.call("stop", timeout=5.0)
-            except (TimeoutError, OSError, EOFError):
-                pass
-        p.proc.join(5.0)
-        if p.proc.is_alive():
-            p.proc.kill()
-            p.proc.join(5.0)
-        p.conn.close()
-
-
-@dataclasses.dataclass
-class Local:
-    transport: NixlTransport
-    storage: list[np.ndarray]
-    layout: KVLayout
+def start_peer() -> Iterator[Callable[..., Peer]]:
+    with peer_starter("nixl", WAIT_S) as start:
+        yield start
 
 
 @pytest.fixture
 def local() -> Iterator[Local]:
-    storage = peer.make_kv(seed=100)
-    transport = NixlTransport(f"d-{os.getpid()}")
-    layout = peer.layout_of(storage)
-    transport.register(layout)
-    yield Local(transport, storage, layout)
-    transport.close()
-
-
-def _wait_done(t: NixlTransport, handle: Any, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while t.poll(handle) is not XferState.DONE:
-        if time.monotonic() > deadline:
-            t.release(handle)
-            raise AssertionError(f"transfer not done within {timeout} s")
-        time.sleep(0.001)
-    t.release(handle)
-
-
-def _random_pairs(rng: np.random.Generator, nb: int) -> tuple[list[int], list[int]]:
-    """Shuffled pairs with two runs consecutive on both sides (coalescable) and random singles."""
-    src = [3, 4, 5, 20, 21]
-    dst = [10, 11, 12, 1, 2]
-    rest_src = [b for b in rng.permutation(nb).tolist() if b not in src][:7]
-    rest_dst = [b for b in rng.permutation(nb).tolist() if b not in dst][:7]
-    pairs = list(zip(src + rest_src, dst + rest_dst))
-    order = rng.permutation(len(pairs))
-    return [pairs[i][0] for i in order], [pairs[i][1] for i in order]
+    loc = open_local(PeerSpec("nixl", f"d-{os.getpid()}", seed=100))
+    yield loc
+    loc.close()
 
 
 def test_read_random_blocks(local: Local, start_peer: Any) -> None:
     p = start_peer(seed=1)
     t = local.transport
     t.connect(p.name, p.metadata)
-    src_ids, dst_ids = _random_pairs(np.random.default_rng(0), peer.SMALL_BLOCKS)
+    src_ids, dst_ids = random_pairs(np.random.default_rng(0), peer.SMALL_BLOCKS)
     plan = plan_transfer(p.layout, src_ids, local.layout, dst_ids)
     regions = len(local.layout.regions)
     assert regions == 5
@@ -161,7 +56,7 @@ def test_read_random_blocks(local: Local, start_peer: Any) -> None:
 
     handle = t.post_read(p.name, plan, b"read-1")
     assert (handle.num_runs, handle.nbytes) == (plan.num_runs, plan.total_bytes)
-    _wait_done(t, handle)
+    wait_done(t, handle, WAIT_S)
     for got, want in zip(local.storage, expected):  # copied blocks right, all other bytes untouched
         np.testing.assert_array_equal(got, want)
     p.wait_notif(t.name, b"read-1")
@@ -172,13 +67,13 @@ def test_write_random_blocks(local: Local, start_peer: Any) -> None:
     p = start_peer(seed=2)
     t = local.transport
     t.connect(p.name, p.metadata)
-    src_ids, dst_ids = _random_pairs(np.random.default_rng(1), peer.SMALL_BLOCKS)
+    src_ids, dst_ids = random_pairs(np.random.default_rng(1), peer.SMALL_BLOCKS)
     plan = plan_transfer(local.layout, src_ids, p.layout, dst_ids)
     assert len(local.layout.regions) < plan.num_runs < len(local.layout.regions) * len(src_ids)
     expected = peer.make_kv(seed=2)
     peer.block_copy(expected, local.storage, src_ids, dst_ids)
 
-    _wait_done(t, t.post_write(p.name, plan, b"write-1"))
+    wait_done(t, t.post_write(p.name, plan, b"write-1"), WAIT_S)
     p.wait_notif(t.name, b"write-1")  # the notif follows the data: the peer's bytes are final now
     for got, want in zip(p.call("dump"), expected):
         np.testing.assert_array_equal(got, want)
@@ -219,37 +114,15 @@ def test_notifs_and_unknown_peer(local: Local, start_peer: Any) -> None:
         t.post_read(p.name, plan, b"x")
 
 
-def _read_until_error(t: NixlTransport, peer_name: str, plan: Any, deadline: float) -> tuple[TransportError, int]:
-    """Post reads back to back until one fails; never waits past deadline (then fails the test)."""
-    done = 0
-    while True:
-        try:
-            handle = t.post_read(peer_name, plan, b"")
-        except TransportError as e:
-            return e, done
-        try:
-            while t.poll(handle) is XferState.IN_PROGRESS:
-                if time.monotonic() > deadline:
-                    raise AssertionError("transfer to a killed peer did not fail before the deadline")
-                time.sleep(0.0005)
-            done += 1
-        except TransportError as e:
-            return e, done
-        finally:
-            t.release(handle)  # never raises, also on a failed or unfinished transfer
-        if time.monotonic() > deadline:
-            raise AssertionError("reads from a killed peer kept succeeding past the deadline")
-
-
 def test_peer_killed_before_read(local: Local, start_peer: Any) -> None:
     p = start_peer()
     t = local.transport
     t.connect(p.name, p.metadata)
     plan = plan_transfer(p.layout, [1, 2, 7], local.layout, [4, 5, 9])
-    _wait_done(t, t.post_read(p.name, plan, b""))  # connection is up
+    wait_done(t, t.post_read(p.name, plan, b""), WAIT_S)  # connection is up
     p.kill()
     started = time.monotonic()
-    err, _ = _read_until_error(t, p.name, plan, started + FAULT_DEADLINE_S)
+    err, _ = read_until_error(t, p.name, plan, started + FAULT_DEADLINE_S)
     assert isinstance(err, PeerDisconnectedError), repr(err)
     assert time.monotonic() - started < FAULT_DEADLINE_S
     t.disconnect(p.name)
@@ -271,7 +144,7 @@ def test_peer_killed_while_reading(start_peer: Any, num_threads: int | None) -> 
         killer = threading.Timer(0.5, lambda: os.kill(p.proc.pid, signal.SIGKILL))
         killer.start()
         try:
-            err, done = _read_until_error(t, p.name, plan, time.monotonic() + 0.5 + FAULT_DEADLINE_S)
+            err, done = read_until_error(t, p.name, plan, time.monotonic() + 0.5 + FAULT_DEADLINE_S)
         finally:
             killer.cancel()
         assert isinstance(err, TransportError), repr(err)
@@ -284,7 +157,7 @@ def test_reconnect_restarted_peer(local: Local, start_peer: Any) -> None:
     first = start_peer(name="p", seed=11)
     t.connect("p", first.metadata)
     plan = plan_transfer(first.layout, [0, 1, 2], local.layout, [5, 6, 7])
-    _wait_done(t, t.post_read("p", plan, b"one"))
+    wait_done(t, t.post_read("p", plan, b"one"), WAIT_S)
     first.wait_notif(t.name, b"one")
     first.kill()
 
@@ -294,7 +167,7 @@ def test_reconnect_restarted_peer(local: Local, start_peer: Any) -> None:
     plan = plan_transfer(second.layout, [8, 9, 30], local.layout, [5, 6, 7])
     expected = [a.copy() for a in local.storage]
     peer.block_copy(expected, peer.make_kv(seed=12), [8, 9, 30], [5, 6, 7])
-    _wait_done(t, t.post_read("p", plan, b"two"))
+    wait_done(t, t.post_read("p", plan, b"two"), WAIT_S)
     for got, want in zip(local.storage, expected):
         np.testing.assert_array_equal(got, want)
     second.wait_notif(t.name, b"two")

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import itertools
-import multiprocessing as mp
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -18,233 +14,63 @@ import pytest
 
 from kv_connectors import staging
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError, TransportUnavailableError
-from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.staging import StagedTransport, StagedXfer, chunk_plan
 from kv_connectors.transport import MemoryKind, XferState
 
-pytestmark = pytest.mark.timeout(120)
+from tests.transports import helpers, peer
+from tests.transports.helpers import (
+    Local,
+    Peer,
+    bytes_covered,
+    open_local,
+    pick_blocks,
+    plan_of_runs,
+    start_peers,
+    stop_peers,
+)
+from tests.transports.peer import PeerSpec, block_copy, layout_of, open_transport, storage_digest
 
-_CTX = mp.get_context("spawn")
-STARTUP_S = 60.0  # a spawned peer imports numpy, torch and an engine: slow on a loaded 2-core machine
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("loopback_env")]
+
 WAIT_S = 20.0
 FAULT_DEADLINE_S = 8.0  # probe interval (0.5 s) + the engine's dead-peer detection (Mooncake: up to ~2 s)
 KiB, MiB = 1024, 1024 * 1024
 POOL, CHUNK = 256 * KiB, 64 * KiB  # 4 slots; a 4 MiB request is 64+ chunks
-NB = 320  # blocks; a block is 16 KiB over 4 regions (packed, K/V-split packed, padded)
-PAD = 64  # uint32 words of padding per block in the padded tensor (never transferred)
+NB = peer.STAGED_BLOCKS  # blocks; a block is 16 KiB over 4 regions (packed, K/V-split packed, padded)
 _names = itertools.count()
 
 
-# KV cache of a test process ------------------------------------------------------------------
-def make_kv(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    shapes: list[tuple[int, ...]] = [(NB, 2, 8, 64), (2, NB, 1024), (NB, 1024 + PAD)]
-    return [rng.integers(0, 2**32, size=s, dtype=np.uint32) for s in shapes]
+def kv(seed: int) -> list[np.ndarray]:
+    return peer.make_kv(seed, "staged")
 
 
-def layout_of(storage: Sequence[np.ndarray]) -> KVLayout:
-    views = [storage[0], storage[1], storage[2][:, :1024]]
-    infos = [TensorInfo(f"t{i}", v.ctypes.data, tuple(v.shape), tuple(s // v.itemsize for s in v.strides), v.itemsize)
-             for i, v in enumerate(views)]
-    return build_layout(infos, NB, block_size=16)
+def spec(kind: str, name: str, seed: int = 100, pool: int = POOL, chunk: int = CHUNK) -> PeerSpec:
+    """A staging transport (probed every 0.5 s) over a "staged" KV cache."""
+    return PeerSpec(kind, name, seed, "staged", pool, chunk)
 
 
-def block_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], s_ids: Sequence[int], d_ids: Sequence[int]) -> None:
-    s, d = np.asarray(s_ids), np.asarray(d_ids)
-    dst[0][d] = src[0][s]
-    dst[1][:, d] = src[1][:, s]
-    dst[2][d, :1024] = src[2][s, :1024]  # the padding stays untouched
+def local_spec(kind: str, pool: int = POOL, chunk: int = CHUNK) -> PeerSpec:
+    return spec(kind, f"d{next(_names)}-{os.getpid()}", pool=pool, chunk=chunk)
 
 
-def digest(storage: Sequence[np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for a in storage:
-        h.update(a.tobytes())
-    return h.hexdigest()
+def wait_all(t: StagedTransport, handles: Sequence[StagedXfer], timeout: float = WAIT_S,
+             on_poll: Callable[[], None] | None = None) -> None:
+    helpers.wait_all(t, handles, timeout, on_poll)
 
 
-def pick_blocks(seed: int, n: int = 256, src_pool: Sequence[int] = range(NB),
-                dst_pool: Sequence[int] = range(NB)) -> tuple[list[int], list[int]]:
-    """n shuffled pairs; where both pools allow, 40 blocks consecutive on both sides (a run longer
-    than a chunk in the packed regions)."""
-    rng = np.random.default_rng(seed)
-    src, dst = [], []
-    if set(range(100, 140)) <= set(src_pool) and set(range(200, 240)) <= set(dst_pool):
-        src, dst = list(range(100, 140)), list(range(200, 240))
-    src += [b for b in rng.permutation(list(src_pool)).tolist() if b not in src][: n - len(src)]
-    dst += [b for b in rng.permutation(list(dst_pool)).tolist() if b not in dst][: n - len(dst)]
-    order = rng.permutation(n)
-    return [src[i] for i in order], [dst[i] for i in order]
+def wait_slots_free(t: StagedTransport, timeout: float = FAULT_DEADLINE_S) -> None:
+    helpers.wait_slots_free(t, timeout)
 
 
-def make_inner(kind: str, name: str) -> Any:
-    if kind == "nixl":
-        from kv_connectors.nixl.transport import NixlTransport
-
-        return NixlTransport(name)
-    from kv_connectors.mooncake.transport import MooncakeTransport
-
-    return MooncakeTransport(name)
-
-
-def make_staged(kind: str, name: str, pool: int = POOL, chunk: int = CHUNK) -> StagedTransport:
-    return StagedTransport(make_inner(kind, name), pool_bytes=pool, chunk_bytes=chunk, probe_interval_s=0.5)
-
-
-# Peer process --------------------------------------------------------------------------------
-def serve(conn: Connection, kind: str, name: str, seed: int, pool: int, chunk: int) -> None:
-    """Peer body: a StagedTransport over a patterned KV cache, progressed every ~0.5 ms.
-
-    Commands: ("connect", name, md) / ("disconnect", name) -> "ok"; ("notifs",) -> (peer, msg,
-    digest of the storage when the message was seen); ("dump",); ("stats",) -> pool_stats();
-    ("reset", seed) -> "ok"; ("pause", s) -> stop progressing for s seconds; ("read", peer,
-    remote_layout, src_ids, dst_ids, notif) -> start pulling from peer (progressed in the loop); ("stop",).
-    """
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    storage = make_kv(seed)
-    t = make_staged(kind, name, pool, chunk)
-    layout = layout_of(storage)
-    t.register(layout)
-    conn.send(("ready", t.local_metadata(), layout))
-    notifs: list[tuple[str, bytes, str]] = []
-    paused_until = 0.0
-    handles: list[StagedXfer] = []
-    try:
-        while True:
-            if time.monotonic() >= paused_until:
-                got = t.get_notifs()
-                if got:
-                    d = digest(storage)
-                    notifs.extend((p, m, d) for p, m in got)
-                for h in list(handles):
-                    try:
-                        if t.poll(h) is XferState.DONE:
-                            handles.remove(h)
-                    except TransportError:
-                        handles.remove(h)
-            if not conn.poll(0.0005):
-                continue
-            cmd = conn.recv()
-            if cmd[0] == "connect":
-                t.connect(cmd[1], cmd[2])
-                conn.send("ok")
-            elif cmd[0] == "disconnect":
-                t.disconnect(cmd[1])
-                conn.send("ok")
-            elif cmd[0] == "notifs":
-                conn.send(list(notifs))
-                notifs.clear()
-            elif cmd[0] == "dump":
-                conn.send([a.copy() for a in storage])
-            elif cmd[0] == "stats":
-                conn.send(t.pool_stats())
-            elif cmd[0] == "reset":
-                for a, b in zip(storage, make_kv(cmd[1])):
-                    a[...] = b
-                conn.send("ok")
-            elif cmd[0] == "pause":
-                paused_until = time.monotonic() + cmd[1]
-                conn.send("ok")
-            elif cmd[0] == "read":
-                handles.append(t.post_read(cmd[1], plan_transfer(cmd[2], cmd[3], layout, cmd[4]), cmd[5]))
-                conn.send("ok")
-            elif cmd[0] == "stop":
-                t.close()
-                conn.send("bye")
-                break
-    except (EOFError, BrokenPipeError):
-        pass  # the test process went away: just exit
-    finally:
-        t.close()
-
-
-@dataclasses.dataclass
-class Peer:
-    name: str
-    seed: int
-    proc: Any
-    conn: Connection
-    metadata: bytes = b""
-    layout: KVLayout | None = None
-    inbox: list[tuple[str, bytes, str]] = dataclasses.field(default_factory=list)
-
-    def call(self, *cmd: Any, timeout: float = WAIT_S) -> Any:
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer {self.name} did not answer {cmd[0]} within {timeout} s")
-        return self.conn.recv()
-
-    def wait_notif(self, sender: str, msg: bytes, timeout: float = WAIT_S) -> str:
-        """Wait for one user notification; returns the peer's storage digest when it arrived."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.inbox += self.call("notifs")
-            for item in self.inbox:
-                if item[:2] == (sender, msg):
-                    self.inbox.remove(item)
-                    return item[2]
-            time.sleep(0.01)
-        raise AssertionError(f"peer {self.name} did not get {(sender, msg)} (got {self.inbox})")
-
-    def wait_idle(self, timeout: float = WAIT_S) -> dict[str, int]:
-        """The peer's pool stats once it holds no slot."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.call("stats")
-            if stats["slots_in_use"] == 0 and stats["queued"] == 0:
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError(f"peer {self.name} still holds slots: {stats}")
-            time.sleep(0.01)
-
-
-def start_peers(kind: str, specs: Sequence[tuple[str, int]], pool: int = POOL, chunk: int = CHUNK) -> list[Peer]:
-    """Start peers in parallel; the caller stops them with stop_peers (also on failure)."""
-    peers = []
-    for name, seed in specs:
-        parent, child = _CTX.Pipe()
-        proc = _CTX.Process(target=serve, args=(child, kind, name, seed, pool, chunk), daemon=True)
-        proc.start()
-        child.close()
-        peers.append(Peer(name, seed, proc, parent))
-    for p in peers:
-        if not p.conn.poll(STARTUP_S):
-            raise TimeoutError(f"peer {p.name} did not start within {STARTUP_S} s")
-        tag, p.metadata, p.layout = p.conn.recv()
-        assert tag == "ready"
-    return peers
-
-
-def stop_peers(peers: Sequence[Peer]) -> None:
-    for p in peers:
-        if p.proc.is_alive():
-            try:
-                p.call("stop", timeout=5.0)
-            except (TimeoutError, OSError, EOFError):
-                pass
-        p.proc.join(5.0)
-        if p.proc.is_alive():
-            p.proc.kill()
-            p.proc.join(5.0)
-        p.conn.close()
-
-
-@dataclasses.dataclass
-class Local:
-    t: StagedTransport
-    storage: list[np.ndarray]
-    layout: KVLayout
-    peers: list[Peer]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _loopback_env() -> Iterator[None]:
-    old = os.environ.get("UCX_NET_DEVICES")
-    os.environ["UCX_NET_DEVICES"] = old or "lo"  # spawned peers inherit it
-    yield
-    if old is None:
-        os.environ.pop("UCX_NET_DEVICES", None)
+def check_pool(loc: Local) -> None:
+    """The pool is the configured size, allocated once, and peak use stayed within it."""
+    stats = loc.transport.pool_stats()
+    pool = loc.transport.pool
+    assert pool.numel() * pool.element_size() == stats["pool_bytes"] == POOL
+    assert stats["slots"] == POOL // CHUNK
+    assert 2 <= stats["peak_slots_in_use"] <= stats["slots"]  # several chunks were in flight, never more
+    assert stats["slots_in_use"] == 0
 
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
@@ -254,102 +80,25 @@ def kind(request: Any) -> str:
 
 @pytest.fixture(scope="module")
 def peers(kind: str) -> Iterator[list[Peer]]:
-    started: list[Peer] = []
+    started = start_peers([spec(kind, f"p1-{kind}", 1), spec(kind, f"p2-{kind}", 2)], WAIT_S)
     try:
-        started = start_peers(kind, [(f"p1-{kind}", 1), (f"p2-{kind}", 2)])
         yield started
     finally:
         stop_peers(started)
-
-
-def open_local(kind: str, peers: Sequence[Peer], seed: int = 100, pool: int = POOL, chunk: int = CHUNK) -> Local:
-    """A StagedTransport over a fresh KV cache, connected both ways with every peer."""
-    storage = make_kv(seed)
-    t = make_staged(kind, f"d{next(_names)}-{os.getpid()}", pool, chunk)
-    try:
-        layout = layout_of(storage)
-        t.register(layout)
-        for p in peers:
-            t.connect(p.name, p.metadata)
-            assert p.call("connect", t.name, t.local_metadata()) == "ok"
-    except BaseException:
-        t.close()
-        raise
-    return Local(t, storage, layout, list(peers))
-
-
-def close_local(loc: Local) -> None:
-    for p in loc.peers:
-        if p.proc.is_alive():
-            try:
-                p.call("disconnect", loc.t.name, timeout=5.0)
-            except (TimeoutError, OSError, EOFError):
-                pass
-    loc.t.close()
 
 
 @pytest.fixture
 def local(kind: str, peers: list[Peer]) -> Iterator[Local]:
     for p in peers:
         assert p.call("reset", p.seed) == "ok"
-    loc = open_local(kind, peers)
+    loc = open_local(local_spec(kind), peers)
     yield loc
-    close_local(loc)
-
-
-def wait_all(t: StagedTransport, handles: Sequence[StagedXfer], timeout: float = WAIT_S,
-             on_poll: Callable[[], None] | None = None) -> None:
-    """Poll until every handle is DONE (errors propagate), then release them."""
-    deadline = time.monotonic() + timeout
-    pending = list(handles)
-    try:
-        while pending:
-            pending = [h for h in pending if t.poll(h) is not XferState.DONE]
-            if on_poll is not None:
-                on_poll()
-            if time.monotonic() > deadline:
-                raise AssertionError(f"transfers not done within {timeout} s: "
-                                     f"{[(h.op, h.chunks_done, h.num_chunks) for h in pending]}")
-            time.sleep(0.0002)
-    finally:
-        for h in handles:
-            t.release(h)
-
-
-def wait_slots_free(t: StagedTransport, timeout: float = FAULT_DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while t.pool_stats()["slots_in_use"] or t.pool_stats()["queued"]:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"slots still held after {timeout} s: {t.pool_stats()}")
-        t.progress()
-        time.sleep(0.005)
-
-
-def check_pool(loc: Local) -> None:
-    """The pool is the configured size, allocated once, and peak use stayed within it."""
-    stats = loc.t.pool_stats()
-    pool = loc.t.pool
-    assert pool.numel() * pool.element_size() == stats["pool_bytes"] == POOL
-    assert stats["slots"] == POOL // CHUNK
-    assert 2 <= stats["peak_slots_in_use"] <= stats["slots"]  # several chunks were in flight, never more
-    assert stats["slots_in_use"] == 0
+    loc.close()
 
 
 # Chunking (no engine) ------------------------------------------------------------------------
-def _plan(runs: Sequence[tuple[int, int, int]]) -> TransferPlan:
-    a = np.array(runs, dtype=np.int64).reshape(-1, 3)
-    return TransferPlan(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), len(runs))
-
-
-def _bytes_of(addr: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Every byte address the runs cover, in order."""
-    if length.size == 0:
-        return np.zeros(0, np.int64)
-    return np.repeat(addr - (np.cumsum(length) - length), length) + np.arange(int(length.sum()))
-
-
 def test_chunking_splits_runs_at_chunk_boundaries() -> None:
-    plan = _plan([(0x1000, 0x9000, 100), (0x5000, 0xA000, 300), (0x8000, 0xB000, 0), (0x8100, 0xB100, 50)])
+    plan = plan_of_runs([(0x1000, 0x9000, 100), (0x5000, 0xA000, 300), (0x8000, 0xB000, 0), (0x8100, 0xB100, 50)])
     ch = chunk_plan(plan, chunk_bytes=128, max_runs=1024)
     assert ch.num_chunks == 4  # ceil(450 / 128): chunks are filled, a run crosses chunk boundaries
     assert [ch.nbytes(k) for k in range(4)] == [128, 128, 128, 66]
@@ -369,8 +118,8 @@ def test_chunking_preserves_bytes(chunk_bytes: int, max_runs: int) -> None:
     src = np.cumsum(rng.integers(3000, 9000, n)) + 10**6
     dst = rng.permutation(n) * 10**4 + 5 * 10**8
     ch = chunk_plan(TransferPlan(src, dst, length, n), chunk_bytes, max_runs)
-    np.testing.assert_array_equal(_bytes_of(ch.src, ch.length), _bytes_of(src, length))
-    np.testing.assert_array_equal(_bytes_of(ch.dst, ch.length), _bytes_of(dst, length))
+    np.testing.assert_array_equal(bytes_covered(ch.src, ch.length), bytes_covered(src, length))
+    np.testing.assert_array_equal(bytes_covered(ch.dst, ch.length), bytes_covered(dst, length))
     assert (ch.length > 0).all()
     starts = ch.bounds[:-1]
     sizes = np.add.reduceat(ch.length, starts)
@@ -384,8 +133,8 @@ def test_chunking_preserves_bytes(chunk_bytes: int, max_runs: int) -> None:
 
 
 def test_chunking_empty_plan() -> None:
-    assert chunk_plan(_plan([]), 64, 8).num_chunks == 0
-    assert chunk_plan(_plan([(1, 2, 0)]), 64, 8).num_chunks == 0
+    assert chunk_plan(plan_of_runs([]), 64, 8).num_chunks == 0
+    assert chunk_plan(plan_of_runs([(1, 2, 0)]), 64, 8).num_chunks == 0
 
 
 def test_bad_configuration() -> None:
@@ -397,14 +146,15 @@ def test_bad_configuration() -> None:
         StagedTransport(None, pool_bytes=1024, chunk_bytes=64, probe_interval_s=0)  # type: ignore[arg-type]
 
 
+
 # Real engines --------------------------------------------------------------------------------
 def test_read_through_a_small_pool(local: Local) -> None:
-    p, t = local.peers[0], local.t
+    p, t = local.peers[0], local.transport
     src_ids, dst_ids = pick_blocks(seed=3)
     plan = plan_transfer(p.layout, src_ids, local.layout, dst_ids)
     assert plan.total_bytes == 4 * MiB and plan.length.max() > CHUNK  # some run is split into chunks
     expected = [a.copy() for a in local.storage]
-    block_copy(expected, make_kv(p.seed), src_ids, dst_ids)
+    block_copy(expected, kv(p.seed), src_ids, dst_ids)
     base = t.pool.data_ptr()
 
     handle = t.post_read(p.name, plan, b"read-done")
@@ -421,16 +171,16 @@ def test_read_through_a_small_pool(local: Local) -> None:
 
 
 def test_write_through_a_small_pool(local: Local) -> None:
-    p, t = local.peers[0], local.t
+    p, t = local.peers[0], local.transport
     src_ids, dst_ids = pick_blocks(seed=4)
     plan = plan_transfer(local.layout, src_ids, p.layout, dst_ids)
     assert plan.total_bytes == 4 * MiB
-    expected = make_kv(p.seed)
+    expected = kv(p.seed)
     block_copy(expected, local.storage, src_ids, dst_ids)
 
     wait_all(t, [t.post_write(p.name, plan, b"write-done")])
     seen = p.wait_notif(t.name, b"write-done")
-    assert seen == digest(expected)  # the peer's KV cache was final when the notification came
+    assert seen == storage_digest(expected)  # the peer's KV cache was final when the notification came
     for got, want in zip(p.call("dump"), expected):
         np.testing.assert_array_equal(got, want)
     check_pool(local)
@@ -440,15 +190,15 @@ def test_write_through_a_small_pool(local: Local) -> None:
 def test_concurrent_transfers_share_the_pool(local: Local) -> None:
     """Three transfers with two peers at once: all progress together through the 4 slots."""
     p1, p2 = local.peers
-    t = local.t
+    t = local.transport
     # Disjoint blocks: what one transfer writes, no other reads or writes.
     r1 = pick_blocks(seed=5, n=100, dst_pool=range(0, 100))
     r2 = pick_blocks(seed=6, n=100, src_pool=range(160, NB), dst_pool=range(100, 200))
     w2 = pick_blocks(seed=7, n=100, src_pool=range(200, NB), dst_pool=range(0, 160))
     expected = [a.copy() for a in local.storage]
-    block_copy(expected, make_kv(p1.seed), *r1)
-    block_copy(expected, make_kv(p2.seed), *r2)
-    expected_p2 = make_kv(p2.seed)
+    block_copy(expected, kv(p1.seed), *r1)
+    block_copy(expected, kv(p2.seed), *r2)
+    expected_p2 = kv(p2.seed)
     block_copy(expected_p2, local.storage, *w2)
     handles = [
         t.post_read(p1.name, plan_transfer(p1.layout, r1[0], local.layout, r1[1]), b"r1"),
@@ -467,7 +217,7 @@ def test_concurrent_transfers_share_the_pool(local: Local) -> None:
         np.testing.assert_array_equal(got, want)
     p1.wait_notif(t.name, b"r1")
     p2.wait_notif(t.name, b"r2")
-    assert p2.wait_notif(t.name, b"w2") == digest(expected_p2)
+    assert p2.wait_notif(t.name, b"w2") == storage_digest(expected_p2)
     check_pool(local)
     p1.wait_idle()
     p2.wait_idle()
@@ -478,14 +228,14 @@ def test_both_ways_through_two_slots(kind: str, peers: list[Peer]) -> None:
     always kept for serving, so neither side can end up waiting on the other for ever."""
     p = peers[0]
     assert p.call("reset", p.seed) == "ok"
-    loc = open_local(kind, [p], pool=2 * CHUNK)
+    loc = open_local(local_spec(kind, pool=2 * CHUNK), [p])
     try:
-        t = loc.t
+        t = loc.transport
         ours = pick_blocks(seed=14, n=128, src_pool=range(0, 160), dst_pool=range(0, 160))
         theirs = pick_blocks(seed=15, n=128, src_pool=range(160, NB), dst_pool=range(160, NB))
         expected = [a.copy() for a in loc.storage]
-        block_copy(expected, make_kv(p.seed), *ours)
-        expected_p = make_kv(p.seed)
+        block_copy(expected, kv(p.seed), *ours)
+        expected_p = kv(p.seed)
         block_copy(expected_p, loc.storage, *theirs)
         assert p.call("read", t.name, loc.layout, theirs[0], theirs[1], b"theirs") == "ok"
         wait_all(t, [t.post_read(p.name, plan_transfer(p.layout, ours[0], loc.layout, ours[1]), b"ours")])
@@ -502,11 +252,11 @@ def test_both_ways_through_two_slots(kind: str, peers: list[Peer]) -> None:
         p.wait_notif(t.name, b"ours")
         wait_slots_free(t)
     finally:
-        close_local(loc)
+        loc.close()
 
 
 def test_release_aborts_and_frees_slots(local: Local) -> None:
-    p, t = local.peers[0], local.t
+    p, t = local.peers[0], local.transport
     src_ids, dst_ids = pick_blocks(seed=8)
     plan = plan_transfer(p.layout, src_ids, local.layout, dst_ids)
     handle = t.post_read(p.name, plan, b"never")
@@ -521,16 +271,16 @@ def test_release_aborts_and_frees_slots(local: Local) -> None:
     wait_slots_free(t)
     p.wait_idle()  # the peer heard of the abort and freed its slots
     expected = [a.copy() for a in local.storage]
-    block_copy(expected, make_kv(p.seed), src_ids, dst_ids)
+    block_copy(expected, kv(p.seed), src_ids, dst_ids)
     wait_all(t, [t.post_read(p.name, plan, b"again")])  # the pool and the peer are healthy
     for got, want in zip(local.storage, expected):
         np.testing.assert_array_equal(got, want)
     p.wait_notif(t.name, b"again")
-    assert (t.name, b"never", digest(make_kv(p.seed))) not in p.inbox
+    assert (t.name, b"never", storage_digest(kv(p.seed))) not in p.inbox
 
 
 def test_peer_error_and_local_checks(local: Local) -> None:
-    p, t = local.peers[0], local.t
+    p, t = local.peers[0], local.transport
     outside = p.layout.regions[0].base + 10**9
     bad = TransferPlan(np.array([outside]), np.array([local.layout.regions[0].base]), np.array([4096]), 1)
     handle = t.post_read(p.name, bad, b"")
@@ -547,7 +297,7 @@ def test_peer_error_and_local_checks(local: Local) -> None:
 
 
 def test_user_notifications_pass_through(local: Local) -> None:
-    p, t = local.peers[0], local.t
+    p, t = local.peers[0], local.transport
     tricky = staging._MSG_MAGIC + b"user bytes that look like staging"
     t.send_notif(p.name, b"hello")
     t.send_notif(p.name, tricky)
@@ -568,10 +318,10 @@ def test_peer_killed_mid_transfer(kind: str, when: str) -> None:
     peers: list[Peer] = []
     loc = None
     try:
-        peers = start_peers(kind, [(f"k-{kind}-{when}", 9)], pool=8 * chunk, chunk=chunk)
+        peers = start_peers([spec(kind, f"k-{kind}-{when}", 9, pool=8 * chunk, chunk=chunk)], WAIT_S)
         p = peers[0]
-        loc = open_local(kind, peers, pool=8 * chunk, chunk=chunk)
-        t = loc.t
+        loc = open_local(local_spec(kind, pool=8 * chunk, chunk=chunk), peers)
+        t = loc.transport
         r, w, theirs = pick_blocks(seed=10), pick_blocks(seed=11), pick_blocks(seed=12)
         handles = [t.post_read(p.name, plan_transfer(p.layout, r[0], loc.layout, r[1]), b""),
                    t.post_write(p.name, plan_transfer(loc.layout, w[0], p.layout, w[1]), b"")]
@@ -608,19 +358,19 @@ def test_peer_killed_mid_transfer(kind: str, when: str) -> None:
         with pytest.raises(PeerDisconnectedError):  # a dead peer stays dead ...
             t.post_read(p.name, plan_transfer(p.layout, r[0], loc.layout, r[1]), b"")
         if when == "moving":  # ... until it restarts and we connect to the new incarnation
-            peers += start_peers(kind, [(p.name, 13)], pool=8 * chunk, chunk=chunk)
+            peers += start_peers([spec(kind, p.name, 13, pool=8 * chunk, chunk=chunk)], WAIT_S)
             again = peers[-1]
             t.connect(again.name, again.metadata)
             assert again.call("connect", t.name, t.local_metadata()) == "ok"
             expected = [a.copy() for a in loc.storage]
-            block_copy(expected, make_kv(13), *r)
+            block_copy(expected, kv(13), *r)
             wait_all(t, [t.post_read(again.name, plan_transfer(again.layout, r[0], loc.layout, r[1]), b"back")])
             for got, want in zip(loc.storage, expected):
                 np.testing.assert_array_equal(got, want)
             again.wait_notif(t.name, b"back")
     finally:
         if loc is not None:
-            close_local(loc)
+            loc.close()
         stop_peers(peers)
 
 
@@ -651,19 +401,17 @@ def test_device_kv_through_a_pinned_pool(kind: str, peers: list[Peer]) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        t = make_staged(kind, f"dev{next(_names)}-{os.getpid()}")
+        t = open_transport(spec(kind, f"dev{next(_names)}-{os.getpid()}"))
         with t, pytest.raises(TransportUnavailableError):
-            t.register(layout_of(make_kv(100)), MemoryKind.DEVICE, 0)
+            t.register(layout_of(kv(100)), MemoryKind.DEVICE, 0)
         assert t.pool is None
         return
     p = peers[0]
     assert p.call("reset", p.seed) == "ok"
-    host = make_kv(100)
+    host = kv(100)
     dev = [torch.from_numpy(a).cuda() for a in host]
-    views = [dev[0], dev[1], dev[2][:, :1024]]
-    layout = build_layout([TensorInfo(f"t{i}", v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.element_size())
-                           for i, v in enumerate(views)], NB, block_size=16)
-    t = make_staged(kind, f"dev{next(_names)}-{os.getpid()}")
+    layout = layout_of(dev)  # the same views as on the host: the padding is not KV
+    t = open_transport(spec(kind, f"dev{next(_names)}-{os.getpid()}"))
     try:
         t.register(layout, MemoryKind.DEVICE, 0)
         assert t.pool.is_pinned()
@@ -671,16 +419,16 @@ def test_device_kv_through_a_pinned_pool(kind: str, peers: list[Peer]) -> None:
         assert p.call("connect", t.name, t.local_metadata()) == "ok"
         src_ids, dst_ids = pick_blocks(seed=16)
         expected = [a.copy() for a in host]
-        block_copy(expected, make_kv(p.seed), src_ids, dst_ids)
+        block_copy(expected, kv(p.seed), src_ids, dst_ids)
         wait_all(t, [t.post_read(p.name, plan_transfer(p.layout, src_ids, layout, dst_ids), b"to-gpu")])
         for got, want in zip(dev, expected):
             np.testing.assert_array_equal(got.cpu().numpy(), want)
         p.wait_notif(t.name, b"to-gpu")
         back = pick_blocks(seed=17)
-        expected_p = make_kv(p.seed)
+        expected_p = kv(p.seed)
         block_copy(expected_p, expected, *back)
         wait_all(t, [t.post_write(p.name, plan_transfer(layout, back[0], p.layout, back[1]), b"from-gpu")])
-        assert p.wait_notif(t.name, b"from-gpu") == digest(expected_p)
+        assert p.wait_notif(t.name, b"from-gpu") == storage_digest(expected_p)
     finally:
         if p.proc.is_alive():
             p.call("disconnect", t.name)
