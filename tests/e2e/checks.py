@@ -17,31 +17,40 @@ LENGTHS = [1, 2, 3, 7, 16, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 2
 PROMPTS = make_prompts(LENGTHS, seed=1)
 
 
-def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy) -> None:
-    """Every prompt through the proxy equals the colocated run; D loaded each one; P freed all."""
+def fresh_prompts(seed: int) -> list[list[int]]:
+    """The same lengths as PROMPTS, other tokens: not in any server's prefix cache yet."""
+    return make_prompts(LENGTHS, seed=seed)
+
+
+def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy, prompts=PROMPTS) -> None:
+    """Every prompt through the proxy equals the colocated run; D loaded each one; P freed all.
+
+    A D that already served these prompts has them in its prefix cache and loads fewer blocks:
+    give such a D fresh prompts (`fresh_prompts`)."""
+    lengths = [len(p) for p in prompts]
     p0, d0 = stats(prefill_server), stats(decode_server)
     d_metric0 = metric(decode_server.url, "kvc:recv_transfers_total")
     p_metric0 = metric(prefill_server.url, "kvc:completed_sends_total")
-    expected = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in PROMPTS]
-    assert len({tuple(e) for e in expected}) > len(PROMPTS) // 2, "tiny model output is near-constant"
-    got = [output_ids(generate(proxy.url, p, MAX_TOKENS)) for p in PROMPTS]
-    mismatches = [(n, e, g) for n, e, g in zip(LENGTHS, expected, got) if e != g]
+    expected = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
+    assert len({tuple(e) for e in expected}) > len(prompts) // 2, "tiny model output is near-constant"
+    got = [output_ids(generate(proxy.url, p, MAX_TOKENS)) for p in prompts]
+    mismatches = [(n, e, g) for n, e, g in zip(lengths, expected, got) if e != g]
     assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
 
     d1 = stats(decode_server)
-    assert d1.recv_transfers - d0.recv_transfers == len(PROMPTS), "D did not load every prompt from P"
+    assert d1.recv_transfers - d0.recv_transfers == len(prompts), "D did not load every prompt from P"
     assert d1.recv_failures == d0.recv_failures
-    assert d1.recv_blocks - d0.recv_blocks >= sum(-(-n // BLOCK_SIZE) for n in LENGTHS) // 2
+    assert d1.recv_blocks - d0.recv_blocks >= sum(-(-n // BLOCK_SIZE) for n in lengths) // 2
     # Every block P held for D is freed once D has it: P's counters and vLLM's own gauge.
     wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks D loaded")
     p1 = stats(prefill_server)
-    assert p1.completed_sends - p0.completed_sends == len(PROMPTS)
+    assert p1.completed_sends - p0.completed_sends == len(prompts)
     assert p1.expired_leases == p0.expired_leases
     wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
     # The same counters on each server's /metrics (through vLLM's KVConnectorStats and Prometheus hooks).
-    wait_until(lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(PROMPTS), 10,
+    wait_until(lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(prompts), 10,
                "D's /metrics to count every load")
-    wait_until(lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(PROMPTS), 10,
+    wait_until(lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(prompts), 10,
                "P's /metrics to count every completed send")
     assert metric(prefill_server.url, "kvc:held_blocks") == 0
 

@@ -12,7 +12,7 @@ from kv_connectors.testing.cluster import (
 from kv_connectors.testing.procs import VllmServer
 from tests.e2e.checks import (
     PROMPTS, assert_dead_producer_fails_fast, assert_foreign_kv_changes_output, assert_pd_matches_colocated,
-    assert_transfer_id_flow_matches,
+    assert_transfer_id_flow_matches, fresh_prompts,
 )
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -53,7 +53,7 @@ def test_mooncake_transfer_id_flow_through_proxy_and_layerwise_push(reference, m
                       extra_args=["--flow", "transfer-id"]) as proxy:
         proxy.wait_ready()
         p0 = stats(mc_prefill)
-        assert_pd_matches_colocated(reference, mc_prefill, mc_decode, proxy)
+        assert_pd_matches_colocated(reference, mc_prefill, mc_decode, proxy, prompts=fresh_prompts(12))
         assert stats(mc_prefill).pushes - p0.pushes == len(PROMPTS), "P did not push every prompt"
     assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[-4:], d_first_s=1.0)
 
