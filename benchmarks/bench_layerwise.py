@@ -11,12 +11,11 @@ dispatch to D's first streamed token. Prints a table, and with --json one JSON o
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import asyncio
 import json
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.e2e_client import stream_one  # noqa: E402
+from benchmarks.e2e_stats import Sample  # noqa: E402
 from kv_connectors.testing.cluster import (  # noqa: E402
     ENTRY_POINT_FORM, MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM, MOONCAKE_MODULE_FORM, make_prompts, pd_server, stats,
+    transfer_id_params,
 )
 from kv_connectors.testing.procs import VllmServer  # noqa: E402
 from kv_connectors.testing.tiny_model import build_tiny_model  # noqa: E402
@@ -46,43 +48,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _stream_ttft(url: str, body: dict[str, Any], t0: float) -> tuple[float, list[int]]:
-    first = None
-    ids: list[int] = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"D answered {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices") or ():
-                if choice.get("finish_reason") == "error":
-                    raise RuntimeError("D failed the request (KV load error)")
-                tokens = choice.get("token_ids") or []
-                if tokens and first is None:
-                    first = time.perf_counter() - t0
-                ids.extend(tokens)
-    if first is None:
-        raise RuntimeError("D streamed no token")
-    return first, ids
+async def _one_request(p: VllmServer, d: VllmServer, prompt: list[int], args: argparse.Namespace) -> Sample:
+    """P and D at once (D first by --d-first-ms); TTFT counted from dispatch."""
+    p_params, d_params = transfer_id_params(p)
+    p_body = {"prompt": prompt, "temperature": 0, "max_tokens": 1, "kv_transfer_params": p_params}
+    async with httpx.AsyncClient(timeout=120) as client:
+        t0 = time.perf_counter()
+        d_task = asyncio.create_task(
+            stream_one(client, d.url, prompt, args.max_tokens, {"kv_transfer_params": d_params}, t0=t0))
+        if args.d_first_ms:
+            await asyncio.sleep(args.d_first_ms / 1e3)
+        p_resp = await client.post(f"{p.url}/v1/completions", json=p_body)
+        if p_resp.status_code != 200:
+            d_task.cancel()
+            raise RuntimeError(f"P answered {p_resp.status_code}: {p_resp.text[:300]}")
+        return await d_task
 
 
 def one_request(p: VllmServer, d: VllmServer, prompt: list[int], args: argparse.Namespace) -> tuple[float, list[int]]:
-    tid = "kvc-" + uuid.uuid4().hex
-    base = {"prompt": prompt, "temperature": 0, "return_token_ids": True}
-    p_body = {**base, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
-    d_body = {**base, "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True,
-              "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid, "remote_host": "127.0.0.1",
-                                     "remote_port": p.side_channel_port}}  # type: ignore[attr-defined]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        t0 = time.perf_counter()
-        d_future = pool.submit(_stream_ttft, d.url, d_body, t0)
-        if args.d_first_ms:
-            time.sleep(args.d_first_ms / 1e3)
-        p_resp = pool.submit(httpx.post, f"{p.url}/v1/completions", json=p_body, timeout=120).result()
-        if p_resp.status_code != 200:
-            raise RuntimeError(f"P answered {p_resp.status_code}: {p_resp.text[:300]}")
-        return d_future.result()
+    sample = asyncio.run(_one_request(p, d, prompt, args))
+    return sample.ttft_s, list(sample.output_ids)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

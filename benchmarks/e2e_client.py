@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 
@@ -22,13 +22,21 @@ def request_body(prompt: Sequence[int], max_tokens: int) -> dict[str, object]:
             "return_token_ids": True, "ignore_eos": True}
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, prompt: Sequence[int], max_tokens: int) -> Sample:
-    """POST one streamed completion; TTFT = time to the first SSE chunk carrying a token."""
-    t0 = time.perf_counter()
+async def stream_one(
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    extra_body: Mapping[str, object] | None = None,
+    t0: float | None = None,
+) -> Sample:
+    """POST one streamed completion; TTFT = time to the first SSE chunk carrying a token, counted
+    from t0 (default: now). extra_body adds fields, e.g. kv_transfer_params."""
+    t0 = time.perf_counter() if t0 is None else t0
     first: float | None = None
     first_tokens = 0
     ids: list[int] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=request_body(prompt, max_tokens)) as r:
+    async with client.stream("POST", f"{url}/v1/completions", json={**request_body(prompt, max_tokens), **(extra_body or {})}) as r:
         if r.status_code != 200:
             body = (await r.aread()).decode("utf-8", errors="replace")
             raise RequestFailed(f"HTTP {r.status_code}: {body[:300]}")

@@ -37,12 +37,17 @@ class _Write:
     deadline: float
     handles: list[Any] = dataclasses.field(default_factory=list)
     runs: int = 0
-    # Layer-wise only: P's blocks, the pairing with D's, and regions not written yet.
-    own: tuple[int, ...] = ()
+    # Layer-wise only: P's blocks paired with D's (the tail of P's), D's layout, regions not written yet.
+    src_blocks: tuple[int, ...] = ()
     dst: KVLayout | None = None
     regions_left: set[int] = dataclasses.field(default_factory=set)
     layers_in_forward: int = 0  # layers written from save_kv_layer, during the forward pass
     error: str = ""
+
+
+def _tail(own: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """P's blocks paired with D's n blocks: the last n (D's own prefix-cache hits are not sent)."""
+    return own[len(own) - n :]
 
 
 class Sender:
@@ -170,7 +175,7 @@ class Sender:
         try:
             if isinstance(dst, str):
                 raise KVConnectorError(dst)
-            plan = plan_transfer(self._layout, own[len(own) - len(req.block_ids) :], dst, req.block_ids)
+            plan = plan_transfer(self._layout, _tail(own, len(req.block_ids)), dst, req.block_ids)
             write.runs = plan.num_runs
             notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs),
                                 self._hash)
@@ -198,7 +203,7 @@ class Sender:
             if isinstance(dst, str):
                 continue  # the whole-request path reports it
             del self._waiting[spec.key]
-            write.own, write.dst = spec.block_ids, dst
+            write.src_blocks, write.dst = _tail(spec.block_ids, len(write.request.block_ids)), dst
             write.regions_left = set(range(len(self._layout.regions)))
             write.deadline = now + self._cfg.transfer_timeout_s
             self._layerwise[spec.key] = write
@@ -208,22 +213,22 @@ class Sender:
         if not self._layerwise:
             return
         regions = self._layer_regions.get(layer_name, ())
-        for key in list(self._layerwise):
-            write = self._layerwise[key]
+        for write in self._layerwise.values():
             write.layers_in_forward += 1
-            self._post_regions(key, write, regions)
+            self._post_regions(write, regions)
 
     def end_layerwise(self) -> None:
         """After the forward pass: write what no layer hook covered; then wait for completion."""
         for key in list(self._layerwise):
             write = self._layerwise.pop(key)
-            self._post_regions(key, write, tuple(write.regions_left), detach=False)
+            self._post_regions(write, tuple(write.regions_left))
             write.deadline = time.monotonic() + self._cfg.transfer_timeout_s
             self._writing[key] = write
             if self.leases.block_ids(key) is not None:
                 self.leases.hold(key)
 
-    def _post_regions(self, key: str, write: _Write, regions: Sequence[int], detach: bool = True) -> None:
+    def _post_regions(self, write: _Write, regions: Sequence[int]) -> None:
+        """Post a write of these regions; a failure marks the write, which end_layerwise hands to _poll."""
         todo = sorted(r for r in regions if r in write.regions_left)
         if not todo or write.error:
             return
@@ -233,7 +238,7 @@ class Sender:
         try:
             plan = plan_transfer(
                 self._layout.select(todo),
-                write.own[len(write.own) - len(req.block_ids) :],
+                write.src_blocks,
                 write.dst.select(todo),
                 req.block_ids,
             )
@@ -242,9 +247,6 @@ class Sender:
         except KVConnectorError as e:
             write.error = f"layer-wise write failed: {e}"
             write.regions_left.clear()
-            if detach:
-                del self._layerwise[key]
-                self._writing[key] = write
 
     def _poll(self, key: str, write: _Write, now: float) -> None:
         error = write.error

@@ -7,6 +7,7 @@ import logging
 import random
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,17 @@ def prefill(p_url: str, prompt: list[int] | str, timeout: float = 120.0) -> dict
     if not params:
         raise RuntimeError(f"prefill answered without kv_transfer_params: {r.text[:500]}")
     return params
+
+
+def transfer_id_params(
+    prefill_server: VllmServer, transfer_id: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The transfer-id flow's (P, D) kv_transfer_params: one id on both, P's side channel for D."""
+    transfer_id = transfer_id or "kvc-" + uuid.uuid4().hex
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    d_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
+                "remote_host": "127.0.0.1", "remote_port": prefill_server.side_channel_port}  # type: ignore[attr-defined]
+    return p_params, d_params
 
 
 def stats(server: VllmServer, timeout_s: float = 5.0) -> wire.StatsReply:

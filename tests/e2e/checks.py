@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-import uuid
 
-from kv_connectors.testing.cluster import generate, make_prompts, metric, output_ids, prefill, stats, wait_until
+from kv_connectors.testing.cluster import (
+    generate, make_prompts, metric, output_ids, prefill, stats, transfer_id_params, wait_until,
+)
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 MAX_TOKENS = 8
@@ -91,10 +92,7 @@ def transfer_id_generate(prefill_server, decode_server, prompt, max_tokens: int,
     """The transfer-id flow without a proxy: P and D get the request at once, both carrying one
     transfer id; D also gets P's side channel. d_first_s > 0 sends D that much earlier, so that
     its push request is at P before P computes (layer-wise push). Returns (P's, D's) responses."""
-    transfer_id = "kvc-" + uuid.uuid4().hex
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
-    d_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-                "remote_host": "127.0.0.1", "remote_port": prefill_server.side_channel_port}
+    p_params, d_params = transfer_id_params(prefill_server)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         d_future = pool.submit(generate, decode_server.url, prompt, max_tokens, kv_transfer_params=d_params)
         if d_first_s:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_connectors.testing.cluster import ProxyProcess, generate, output_ids, stats, wait_until
+from kv_connectors.testing.cluster import ProxyProcess, generate, output_ids, stats, transfer_id_params, wait_until
 from tests.e2e.checks import (
     MAX_TOKENS, PROMPTS, assert_pd_matches_colocated, assert_transfer_id_flow_matches, fresh_prompts,
     transfer_id_generate,
@@ -50,8 +50,7 @@ def test_decode_whose_prefill_never_comes_fails_within_deadline(reference, prefi
     d0 = stats(decode_server)
     prompt = PROMPTS[12]
     t0 = time.monotonic()
-    d_params = {"do_remote_prefill": True, "transfer_id": "kvc-never-prefilled",
-                "remote_host": "127.0.0.1", "remote_port": prefill_server.side_channel_port}
+    _p_params, d_params = transfer_id_params(prefill_server, "kvc-never-prefilled")
     r = generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
     assert time.monotonic() - t0 < 25
     assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
