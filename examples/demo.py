@@ -9,6 +9,8 @@ import logging
 import sys
 import time
 
+import httpx
+
 from kv_connectors.testing.cluster import (
     ENTRY_POINT_FORM, MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM, MOONCAKE_MODULE_FORM, ProxyProcess, generate,
     make_prompts, output_ids, pd_server, stats, wait_until,
@@ -58,17 +60,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"transport {args.transport}, mode {args.mode or 'default'}, staging {args.staging}: "
           f"P loads {p_form}, D loads {d_form}")
     t0 = time.monotonic()
-    with ref, p, d, ProxyProcess([p.url], [d.url]) as proxy:
+    with ref, p, d, ProxyProcess([p.url], [d.url]) as proxy, httpx.Client(timeout=120.0) as client:
         proxy.wait_ready()
         print(f"servers up in {time.monotonic() - t0:.0f} s: colocated {ref.url}, P {p.url}, D {d.url}, proxy {proxy.url}")
         print(f"{'toks':>5} {'result':>8} {'KiB':>9} {'blocks':>6} {'descs':>5} {'xfer ms':>8} {'GB/s':>6} {'e2e ms':>8}  D output")
         mismatches = 0
         totals = {"bytes": 0, "blocks": 0, "descriptors": 0, "seconds": 0.0}
         for n, prompt in zip(LENGTHS, make_prompts(LENGTHS, seed=42)):
-            expected = generate(ref.url, prompt, args.max_tokens).json()["choices"][0]
+            expected = generate(ref.url, prompt, args.max_tokens, client=client).json()["choices"][0]
             before = stats(d)
             t = time.monotonic()
-            got = generate(proxy.url, prompt, args.max_tokens)
+            got = generate(proxy.url, prompt, args.max_tokens, client=client)
             ms = (time.monotonic() - t) * 1e3
             after = stats(d)
             delta = {

@@ -52,11 +52,28 @@ def _skip_ib_modules_without_rdma_devices() -> None:
     logger.info("no RDMA device: UCX_MODULES=^ib,rdmacm (set UCX_MODULES to override)")
 
 
+def _enable_cuda_ipc_get() -> None:
+    """Let UCX serve a READ of a same-node peer's GPU memory over cuda_ipc, as it serves a WRITE.
+
+    UCX 1.23 (bundled with nixl 1.5.1) turns cuda_ipc GET off where it finds no NVLink
+    (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto), so a pull of VRAM from a P on the same node falls back
+    to a bounce through host memory: on an H200, 1 GiB of 16 KiB blocks moved at 0.53 GB/s by READ
+    against 1559 GB/s by WRITE (benchmarks/bench_staging.py, vLLM issue 52607). Set only where an
+    NVIDIA device is present (elsewhere UCX warns that the variable is unused); a value set by the
+    user is left alone.
+    """
+    if "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in os.environ or not any(Path("/dev").glob("nvidia[0-9]*")):
+        return
+    os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "yes"
+    logger.info("NVIDIA device: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=yes (same-node READs of GPU memory over cuda_ipc)")
+
+
 def _load_nixl() -> tuple[ModuleType, ModuleType]:
     """(nixl._api, its bindings module), imported on first use so `import kv_connectors` stays light."""
     global _nixl
     if _nixl is None:
         _skip_ib_modules_without_rdma_devices()
+        _enable_cuda_ipc_get()
         try:
             api = importlib.import_module("nixl._api")
         except (ImportError, OSError) as e:

@@ -208,3 +208,23 @@ def test_process_with_an_agent_exits_cleanly():
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+
+
+def test_cuda_ipc_get_is_enabled_only_where_an_nvidia_device_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX turns cuda_ipc GET off without NVLink and a pull of same-node VRAM crawls (0.5 GB/s on an H200)."""
+    import types
+
+    from kv_connectors.nixl import transport as nt
+
+    var = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    monkeypatch.delenv(var, raising=False)
+    devices: list[str] = []
+    monkeypatch.setattr(nt, "Path", lambda _: types.SimpleNamespace(glob=lambda _pat: iter(devices)))
+    nt._enable_cuda_ipc_get()
+    assert var not in os.environ  # no GPU: UCX would warn that the variable is unused
+    devices.append("/dev/nvidia0")
+    nt._enable_cuda_ipc_get()
+    assert os.environ[var] == "yes"
+    monkeypatch.setenv(var, "no")
+    nt._enable_cuda_ipc_get()
+    assert os.environ[var] == "no"  # the user's choice stands
