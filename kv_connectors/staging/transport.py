@@ -362,13 +362,17 @@ class StagedTransport(Initiator, Responder):
                              type(msg).__name__, peer_name)
                 continue
             peer.last_heard = time.monotonic()
+            copied = self._bytes_staged
             self._handlers[type(msg)](peer_name, msg)
+            self._flush_after_copy(copied)
 
     def _poll_ops(self) -> None:
         for x in list(self._xfers.values()):
             for c in list(x._active.values()):
                 if c.inner is not None and x._error is None:
+                    copied = self._bytes_staged
                     self._poll_chunk(x, c)
+                    self._flush_after_copy(copied)
         for x in list(self._aborting):
             self._drain(x)
         now = time.monotonic()
@@ -393,10 +397,20 @@ class StagedTransport(Initiator, Responder):
                 return
             waiter = self._waiters[pick]
             del self._waiters[pick]
+            copied = self._bytes_staged
             if isinstance(waiter, Serve):
                 self._start_serving(waiter)
             else:
                 self._start_chunk(waiter)
+            self._flush_after_copy(copied)
+
+    def _flush_after_copy(self, copied_before: int) -> None:
+        """After a unit of work that copied bytes (a gather or scatter), send what it queued now
+        rather than at the end of progress(): otherwise a peer waiting on that READY, FREE or STAGE
+        also waits for every later chunk's copy in the same batch (a pipeline bubble: D sat idle
+        ~28% of a 256 MiB staged pull). Units that only queue messages still go out in one batch."""
+        if self._bytes_staged != copied_before:
+            self._flush()
 
     def _on_error(self, peer: str, m: Error) -> None:
         if not m.to_initiator:

@@ -172,6 +172,11 @@ def test_staging_config():
         parse_config("e", "kv_consumer", {"staging": True})
     with pytest.raises(ConfigError, match="at least two chunks"):
         parse_config("e", "kv_consumer", {"staging_pool_kib": 64, "staging_chunk_kib": 64})
+    # Unset, the chunk is 4 MiB, or an eighth of a smaller pool (a small pool still pipelines).
+    assert parse_config("e", "kv_consumer", {}).staging_chunk_kib == 4096
+    assert parse_config("e", "kv_consumer", {"staging_pool_kib": 8192}).staging_chunk_kib == 1024
+    assert parse_config("e", "kv_consumer", {"staging_pool_kib": 4}).staging_chunk_kib == 1
+    assert parse_config("e", "kv_consumer", {"staging_pool_kib": 8192, "staging_chunk_kib": 4096}).staging_chunk_kib == 4096
 
 
 def test_connector_defaults_yield_to_user_config():
