@@ -30,7 +30,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_transport import KV_HEADS, HEAD_DIM_X2, Shape, block_ids, make_transport
+from benchmarks.bench_transport import HEAD_DIM_X2, KV_HEADS, Shape, add_engine_args, block_ids, make_transport
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.transport import MemoryKind, Transport, XferState
@@ -293,11 +293,7 @@ def main() -> None:
     ap.add_argument("--pool-fraction", type=int, default=8, help="staging pool = KV cache / N")
     ap.add_argument("--chunk-kib", default="1024", help="staging chunk sizes to try (comma-separated)")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--poll-us", type=float, default=20.0, help="sleep between polls (0: spin)")
-    ap.add_argument("--progress-delay-us", type=int, default=1000, help="NIXL only")
-    ap.add_argument("--num-threads", type=int, default=None, help="NIXL only")
-    ap.add_argument("--max-batch", type=int, default=1000, help="Mooncake only")
-    ap.add_argument("--mooncake-protocol", default="tcp", help="Mooncake only")
+    add_engine_args(ap, poll_us=20.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args()

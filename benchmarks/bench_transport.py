@@ -98,6 +98,15 @@ def layout_of(kv: list[np.ndarray], shape: Shape) -> KVLayout:
     return build_layout(infos, shape.num_blocks, shape.block_size, block_dim=0)
 
 
+def add_engine_args(ap: argparse.ArgumentParser, poll_us: float) -> None:
+    """The engine knobs make_transport reads, and the sleep between polls."""
+    ap.add_argument("--progress-delay-us", type=int, default=1000, help="NIXL only: progress-thread delay")
+    ap.add_argument("--num-threads", type=int, default=None, help="NIXL only")
+    ap.add_argument("--max-batch", type=int, default=1000, help="Mooncake only: runs per engine batch")
+    ap.add_argument("--mooncake-protocol", default="tcp", help="Mooncake only: engine protocol")
+    ap.add_argument("--poll-us", type=float, default=poll_us, help="sleep between polls (0: spin)")
+
+
 def make_transport(kind: str, name: str, args: argparse.Namespace) -> Transport:
     if kind == "nixl":
         from kv_connectors.nixl.transport import NixlTransport
@@ -372,11 +381,7 @@ def main(argv: list[str] | None = None) -> None:
                          "(--sweep: a list)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--latency-samples", type=int, default=50)
-    ap.add_argument("--progress-delay-us", type=int, default=1000)
-    ap.add_argument("--num-threads", type=int, default=None, help="NIXL only")
-    ap.add_argument("--max-batch", type=int, default=1000, help="Mooncake only: runs per engine batch")
-    ap.add_argument("--mooncake-protocol", default="tcp", help="Mooncake only: engine protocol")
-    ap.add_argument("--poll-us", type=float, default=50.0, help="sleep between polls")
+    add_engine_args(ap, poll_us=50.0)
     ap.add_argument("--staging", default="off", help="on: move blocks through a host pool; off (--sweep: a list)")
     ap.add_argument("--pool-mib", type=int, default=32, help="staging only: host pool size")
     ap.add_argument("--chunk-kib", type=int, default=1024, help="staging only: chunk (pool slot) size")
