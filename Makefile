@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test test-unit test-transports test-e2e bench bench-e2e clean
+.PHONY: all setup demo test test-unit test-transports test-e2e bench bench-e2e bench-faults clean
 
 all: test
 
@@ -51,6 +51,10 @@ bench-e2e: $(STAMP)
 	$(VPY) benchmarks/bench_e2e.py --model-size medium $(BENCH_ARGS)
 	$(VPY) benchmarks/bench_layerwise.py
 	$(VPY) benchmarks/bench_proxy.py
+
+# Fault scenarios against vLLM's built-in connector (real servers, ~6 minutes).
+bench-faults: $(STAMP)
+	$(VPY) benchmarks/bench_faults.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

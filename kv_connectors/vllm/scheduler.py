@@ -147,16 +147,20 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        consumed = rid in self._consumed
         self._consumed.discard(rid)
         transfer_id = self._transfer_ids.pop(rid, None)
         layerwise = rid in self._layerwise
         self._layerwise.discard(rid)
+        params = request.kv_transfer_params
         parsed = self._pending.pop(rid, None)
+        if parsed is None and not consumed and wants_remote_prefill(params):
+            # Aborted while still waiting: the scheduler never looked at it (e.g. behind max_num_seqs).
+            parsed = self._parse(request, params)
         if parsed is not None and parsed.remote is not None:
             # D request finished before it was scheduled (abort): P must not hold its blocks.
             self._release(rid, parsed.remote)
             return False, None
-        params = request.kv_transfer_params
         if not wants_remote_decode(params):
             return False, None
         key = transfer_id or rid
