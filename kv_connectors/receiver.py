@@ -260,11 +260,14 @@ class Receiver:
         failed: set[str] = set()
         for rid in [rid for rid, t in self._tasks.items() if t.phase in (RecvPhase.DONE, RecvPhase.FAILED)]:
             task = self._tasks.pop(rid)
+            if rid.startswith(RELEASE_PREFIX):  # best effort, no load: P's lease frees what it still holds
+                if task.phase is RecvPhase.FAILED:
+                    logger.warning("request %s: could not tell the producer to free its blocks (%s); its "
+                                   "lease frees them", rid[len(RELEASE_PREFIX):], task.error)
+                continue
             if task.phase is RecvPhase.FAILED:
                 self.totals.failures += 1
                 logger.error("request %s: %s", rid, task.error)
-            if rid.startswith(RELEASE_PREFIX):
-                continue
             finished.add(rid)
             if task.phase is RecvPhase.FAILED:
                 failed.add(rid)
