@@ -234,13 +234,19 @@ def d_never_comes(pair: Pair) -> Outcome:
     lease = pair.connector.lease
     data = {"kv_usage_held": held, "leases_expired": expired, "lease_default_s": lease.seconds,
             "lease_source": lease.source}
+    return _release_outcome(pair, held, usage, seconds, data, "",
+                            f"({expired:g} lease(s) expired; default lease {lease.seconds} s)",
+                            "lease" if expired else "")
+
+
+def _release_outcome(pair: Pair, held: float, usage: float, seconds: float | None, data: Mapping[str, Any],
+                     said: str, freed: str, tag: str) -> Outcome:
+    """How P's held KV ended: nothing held, still held at the deadline, or freed after `seconds`."""
     if held == 0:
         return Outcome(Kind.NOT_HELD, None, "P's KV usage was 0 right after the prefill: nothing held", data)
     if seconds is None:
-        return Outcome(Kind.HELD, None, f"P's KV usage still {usage:.4f} after {pair.deadline_s:g} s", data)
-    tag = "lease" if expired else ""
-    return Outcome(Kind.FREED, seconds, f"P's KV usage {held:.4f} -> 0 ({expired:g} lease(s) expired; default lease "
-                   f"{lease.seconds} s)", data, tag=tag)
+        return Outcome(Kind.HELD, None, f"P's KV usage still {usage:.4f} after {pair.deadline_s:g} s{said}", data)
+    return Outcome(Kind.FREED, seconds, f"P's KV usage {held:.4f} -> 0 {freed}{said}", data, tag=tag)
 
 
 class _Busy(threading.Thread):
@@ -306,13 +312,9 @@ def d_aborted(pair: Pair) -> Outcome:
     said = (f"{'queued on D and dropped at the close' if aborted else 'NOT seen queued and dropped on D'} "
             f"(D's busy request ended {data['busy_ended_s']} s after the close); D's transfer counters "
             f"{data['d_counters']}")
-    if held == 0:
-        return Outcome(Kind.NOT_HELD, None, "P's KV usage was 0 right after the prefill: nothing held", data)
-    if seconds is None:
-        return Outcome(Kind.HELD, None, f"P's KV usage still {usage:.4f} after {pair.deadline_s:g} s; {said}", data)
     how = "lease" if expired else "D's notice"
-    return Outcome(Kind.FREED, seconds, f"P's KV usage {held:.4f} -> 0 on {how} ({expired:g} lease(s) expired); "
-                   f"{said}", data, tag=how if aborted else f"{how}; abort not seen")
+    return _release_outcome(pair, held, usage, seconds, data, f"; {said}",
+                            f"on {how} ({expired:g} lease(s) expired)", how if aborted else f"{how}; abort not seen")
 
 
 def _plain_check(pair: Pair, d: VllmServer, prompt: list[int], expected: list[int]) -> tuple[bool, str]:
