@@ -12,13 +12,25 @@ from kv_connectors.config import ConnectorConfig, TransferMode
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import plan_transfer
-from kv_connectors.state import RecvPhase, RecvTask
+from kv_connectors.state import ClaimResult, RecvPhase, RecvTask
 from kv_connectors.transport import Transport, XferState
 
 logger = logging.getLogger(__name__)
 
 PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, port)
 RELEASE_PREFIX = "release:"  # task ids of releases nobody waits on
+_CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its next step): ask again
+_FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly different rates
+_MAX_PEER_POOLS = 256  # one side-channel thread per producer; beyond this, producers share one
+
+
+@dataclasses.dataclass
+class _ClaimBatch:
+    """One ClaimRequest to a producer for every read that was ready to claim in one progress call."""
+
+    future: concurrent.futures.Future
+    sent_at: float  # before the request left: at or before P's receipt, so the fence errs early
+    index: dict[str, int]  # task id -> item index
 
 
 @dataclasses.dataclass
@@ -60,10 +72,27 @@ class Receiver:
         self._layout = layout
         self._compat = compat
         self._hash = compat.hash()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-handshake")
+        # Side-channel I/O runs on one thread per producer: a frozen producer delays only its own requests.
+        self._pools: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
+        self._shared_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sidechannel")
         self._peers: dict[PeerKey, _Peer] = {}
         self._tasks: dict[str, RecvTask] = {}
+        self._to_claim: dict[PeerKey, list[RecvTask]] = {}
         self.totals = RecvTotals()
+        self.claims_refused = 0
+
+    def _submit(self, key: PeerKey, body: wire.Body) -> concurrent.futures.Future:
+        """One side-channel request to the producer at key, on that producer's own thread."""
+        _engine, host, port = key
+        pool = self._pools.get((host, port))
+        if pool is None:
+            if len(self._pools) >= _MAX_PEER_POOLS:
+                pool = self._shared_pool
+            else:
+                pool = self._pools[(host, port)] = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"kvc-sc-{port}"
+                )
+        return pool.submit(sidechannel.request, host, port, body, self._hash, self._cfg.handshake_timeout_s)
 
     # intake -----------------------------------------------------------------------------------
     def add(self, task: RecvTask) -> None:
@@ -85,9 +114,7 @@ class Receiver:
             agent_metadata=self._transport.local_metadata(),
             layout=wire.LayoutMsg.from_layout(self._layout),
         )
-        _engine, host, port = key
-        future = self._pool.submit(sidechannel.request, host, port, request, self._hash, self._cfg.handshake_timeout_s)
-        self._peers[key] = _Peer(future)
+        self._peers[key] = _Peer(self._submit(key, request))
 
     # progress ---------------------------------------------------------------------------------
     def progress(self) -> None:
@@ -98,8 +125,11 @@ class Receiver:
                 self._advance_handshake(task, now)
             elif task.phase is RecvPhase.REQUESTED:
                 self._advance_request(task, now)
+            elif task.phase is RecvPhase.TRANSFER and task.fenced:
+                self._advance_read(task, now)
             elif task.phase is RecvPhase.TRANSFER:
                 self._advance_transfer(task, now)
+        self._send_claims()
 
     def on_done_notice(self, request_id: str, error: str, runs: int = 0) -> bool:
         """P's notification that it wrote (or failed to write) a push request's blocks.
@@ -151,7 +181,6 @@ class Receiver:
 
     def _request_push(self, task: RecvTask) -> None:
         """Ask P to write (push mode), or just to free its blocks (nothing to read)."""
-        _engine, host, port = task.peer_key
         request = wire.PushRequest(
             producer_request_id=task.remote_request_id,
             consumer_engine_id=self._cfg.engine_id,
@@ -159,9 +188,7 @@ class Receiver:
             consumer_request_id=task.request_id,
             block_ids=list(task.local_block_ids),
         )
-        task.handle = self._pool.submit(
-            sidechannel.request, host, port, request, self._hash, self._cfg.handshake_timeout_s
-        )
+        task.handle = self._submit(task.peer_key, request)
         task.phase = RecvPhase.REQUESTED
         task.started = time.monotonic()
         # Set now: P's notification may complete the task before its acknowledgement is seen.
@@ -188,21 +215,101 @@ class Receiver:
         task.deadline = now + self._cfg.transfer_timeout_s
 
     def _post_read(self, task: RecvTask, peer: _Peer) -> None:
+        """Post the read and claim P's lease at once (the claim's round trip overlaps the read).
+
+        The read carries no notification: P learns that D is done only after it granted the claim
+        (a notice arriving first would free the lease, and the claim would then be refused)."""
         assert peer.layout is not None
-        notif = wire.encode(wire.TransferDone(task.remote_request_id, self._cfg.engine_id), self._hash)
         started = time.monotonic()  # engines may copy inside the post call (NIXL over cma does)
         try:
             plan = plan_transfer(peer.layout, task.remote_block_ids, self._layout, task.local_block_ids)
-            task.handle = self._transport.post_read(peer.agent_name, plan, notif)
+            task.handle = self._transport.post_read(peer.agent_name, plan, b"")
         except KVConnectorError as e:
             self._fail_transfer(task, e)
             return
         task.phase = RecvPhase.TRANSFER
+        task.fenced = True
         task.num_bytes, task.num_descriptors = plan.total_bytes, plan.num_runs
         task.started = started
         task.deadline = started + self._cfg.transfer_timeout_s
-        # Engines that copy inside the post (NIXL over cma) are done already: report it this step.
-        self._advance_transfer(task, time.monotonic())
+        task.claim_deadline = started + self._cfg.handshake_timeout_s
+        self._advance_read(task, time.monotonic())  # queues the claim
+
+    def _send_claims(self) -> None:
+        """One ClaimRequest per producer for every read waiting to claim."""
+        for key, tasks in self._to_claim.items():
+            tasks = [t for t in tasks if t.phase is RecvPhase.TRANSFER]
+            if not tasks:
+                continue
+            request = wire.ClaimRequest(
+                self._cfg.engine_id,
+                [wire.ClaimItem(t.remote_request_id, list(t.remote_block_ids)) for t in tasks],
+            )
+            sent_at = time.monotonic()
+            batch = _ClaimBatch(self._submit(key, request), sent_at, {t.request_id: i for i, t in enumerate(tasks)})
+            for t in tasks:
+                t.claim = batch
+        self._to_claim.clear()
+
+    def _advance_read(self, task: RecvTask, now: float) -> None:
+        """Pull: the read counts once it is complete and P granted the claim before it could lapse."""
+        if task.handle is not None:
+            try:
+                state = self._transport.poll(task.handle)
+            except KVConnectorError as e:
+                self._fail_transfer(task, e)
+                return
+            if state is XferState.DONE:
+                self._transport.release(task.handle)
+                task.handle = None
+                task.read_done_at = now
+        self._advance_claim(task, now)
+        if task.phase is not RecvPhase.TRANSFER:
+            return
+        if task.read_done_at is not None and task.fence_deadline is not None:
+            if task.read_done_at > task.fence_deadline:
+                self._fail_transfer(task, KVConnectorError(
+                    "the read completed after the producer's hold on its blocks may have ended"))
+                return
+            self._notify_quietly(self._peers[task.peer_key].agent_name, task.remote_request_id)
+            self._complete(task)
+            return
+        limit = task.deadline if task.fence_deadline is None else min(task.deadline, task.fence_deadline)
+        if now > limit:
+            self._fail_transfer(task, KVConnectorError(f"transfer timed out after {now - task.started:.1f} s"))
+
+    def _advance_claim(self, task: RecvTask, now: float) -> None:
+        if task.fence_deadline is not None:
+            return
+        batch = task.claim
+        if batch is None:
+            if now >= task.claim_retry_at:
+                task.claim_retry_at = float("inf")  # queued: sent at the end of this progress call
+                self._to_claim.setdefault(task.peer_key, []).append(task)
+            return
+        if not batch.future.done():
+            return  # the side-channel request has its own deadline
+        task.claim = None
+        try:
+            reply = batch.future.result()
+            if not isinstance(reply, wire.ClaimReply):
+                raise KVConnectorError(f"unexpected answer {type(reply).__name__}")
+            i = batch.index[task.request_id]
+            result, reason = ClaimResult(reply.results[i]), reply.reasons[i]
+        except Exception as e:  # boundary: a failed claim fails this request, never the step
+            self._fail_transfer(task, KVConnectorError(f"could not claim the producer's lease: {e}"))
+            return
+        if result is ClaimResult.GRANTED:
+            task.fence_deadline = batch.sent_at + reply.hold_s * _FENCE_MARGIN
+        elif result is ClaimResult.PENDING and now < task.claim_deadline:
+            task.claim_retry_at = now + _CLAIM_RETRY_S
+        else:
+            self.claims_refused += 1
+            why = reason if result is not ClaimResult.PENDING else (
+                f"the producer does not hold request {task.remote_request_id} "
+                f"(unknown after {self._cfg.handshake_timeout_s:g} s)")
+            self._fail_transfer(task, KVConnectorError(
+                f"refused a stale read: {why}; its blocks may hold another prompt's KV now"))
 
     def _advance_transfer(self, task: RecvTask, now: float) -> None:
         if task.handle is None:  # push: waiting for P's notification
@@ -238,6 +345,7 @@ class Receiver:
         if task.handle is not None:
             self._transport.release(task.handle)
             task.handle = None
+        task.claim = None
         peer = self._peers.get(task.peer_key)
         if isinstance(error, PeerDisconnectedError) and peer is not None:
             peer.error = str(error)  # the next request handshakes again
@@ -278,4 +386,5 @@ class Receiver:
             if task.handle is not None and not isinstance(task.handle, concurrent.futures.Future):
                 self._transport.release(task.handle)
         self._tasks.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in [*self._pools.values(), self._shared_pool]:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -87,6 +87,23 @@ class Sender:
         self._inbox.put(request)
         return wire.PushAck(True)
 
+    def on_claim(self, request: wire.ClaimRequest) -> wire.ClaimReply:
+        """The fence (side-channel thread): hold each live lease a consumer is reading for it;
+        refuse those that already ended (their blocks may hold other prompts' KV by now)."""
+        now = time.monotonic()
+        hold_s = self._cfg.transfer_timeout_s
+        claims = [
+            self.leases.claim(item.key, request.consumer_engine_id, tuple(item.block_ids), now, hold_s)
+            for item in request.items
+        ]
+        return wire.ClaimReply([c.result.value for c in claims], [c.reason for c in claims], hold_s)
+
+    def on_renew(self, request: wire.RenewRequest) -> wire.RenewReply:
+        """Heartbeat (side-channel thread): D's requests still queued; extend their leases."""
+        now = time.monotonic()
+        known = [self.leases.renew(key, now, self._cfg.lease_s) for key in request.keys]
+        return wire.RenewReply(known, self._cfg.lease_s)
+
     # engine thread ----------------------------------------------------------------------------
     def add_leases(self, reqs: Mapping[str, Any]) -> None:
         """reqs: request id -> SendSpec (block_ids, key, cancelled)."""
@@ -142,7 +159,7 @@ class Sender:
                 continue
             key = msg.producer_request_id
             if not msg.block_ids:
-                self.leases.notice(key, now)  # D needs nothing: free now
+                self.leases.notice(key, now, msg.consumer_engine_id)  # D needs nothing: free now
             elif key in self._cancelled:
                 self._finish(_Write(msg, now), self._cancelled.pop(key)[0])
             else:
@@ -296,7 +313,7 @@ class Sender:
         """Request ids whose blocks can be freed: read (D's notices), written, or lease expired."""
         now = time.monotonic()
         for notice in notices:
-            self.leases.notice(notice.request_id, now)
+            self.leases.notice(notice.request_id, now, notice.engine_id or None)
         done, expired = self.leases.take_finished(now)
         for rid in expired:
             logger.warning("request %s: decode side never read its KV; freed after %.0f s lease", rid, self._cfg.lease_s)

@@ -55,8 +55,12 @@ class SideChannelServer:
 
     def _answer(self, frame: bytes) -> bytes:
         try:
-            body = wire.decode(frame, expected_hash=None)
+            # Every request but a handshake (compared field by field by the handler) and stats
+            # must carry our compatibility hash: a peer that never hand-shook cannot claim or push.
+            body = wire.decode(frame, expected_hash=self.compat_hash, unchecked=wire.SERVER_UNCHECKED)
             reply = self._handler(body)
+        except IncompatiblePeerError as e:
+            reply = wire.ErrorReply("incompatible", str(e))
         except KVConnectorError as e:
             reply = wire.ErrorReply("bad_request", str(e))
         except Exception as e:  # a bug must not kill the listener thread (vLLM's built-in hangs then)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from typing import Any
 
 # How long a D notification may precede the P worker learning of the request (seconds).
 _EARLY_NOTICE_TTL_S = 600.0
+# Keys of ended leases remembered so that a late claim is refused at once (not left to its deadline).
+_GONE_CAP = 100_000
 
 
 @dataclasses.dataclass
@@ -15,6 +18,23 @@ class _Lease:
     request_id: str  # vLLM's id of P's request: what is reported when the blocks may be freed
     block_ids: tuple[int, ...]
     deadline: float
+    held: bool = False  # a write from these blocks is in flight: never expires (the write has its own deadline)
+    claims: dict[str, float] = dataclasses.field(default_factory=dict)  # consumer engine id -> claim deadline
+
+
+class ClaimResult(enum.Enum):
+    """P's answer to a consumer that is about to read (or has just read) a lease's blocks."""
+
+    GRANTED = "granted"  # live: held for the consumer until its claim deadline
+    PENDING = "pending"  # not known yet (P's worker has not stepped since the prefill finished): ask again
+    GONE = "gone"  # expired or released: the blocks may hold another prompt's KV now
+    MISMATCH = "mismatch"  # the lease does not hold the blocks the consumer names
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    result: ClaimResult
+    reason: str = ""
 
 
 class SendLeases:
@@ -24,61 +44,126 @@ class SendLeases:
     came with. A notice may arrive before the lease is added (D can be faster than P's next
     step, and in the transfer-id flow D may be done before P computed anything): it is
     remembered and completes the lease as soon as it is added.
+
+    The fence: a consumer that reads P's blocks claims the lease first (`claim`, from the side-channel
+    thread, hence the lock). A claimed lease is held for the consumer until its claim deadline or its
+    notice; a lease that already ended is refused, and is remembered as gone (bounded), so that a
+    late reader fails at once instead of reading blocks that other prompts reuse.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gone_cap: int = _GONE_CAP) -> None:
+        self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._early: dict[str, float] = {}  # key -> time the notice arrived
+        self._gone: dict[str, str] = {}  # key -> why it ended (insertion order: oldest first, capped)
+        self._gone_cap = gone_cap
         self._finished: set[str] = set()  # request ids
         self._finished_keys: set[str] = set()
         self.completed = 0
         self.expired = 0
+        self.claims_granted = 0
+        self.claims_refused = 0
 
     def add(self, key: str, request_id: str, block_ids: tuple[int, ...], now: float, lease_s: float) -> None:
-        if key in self._early:
-            del self._early[key]
-            self._finished.add(request_id)
-            self._finished_keys.add(key)
-            self.completed += 1
-            return
-        self._leases[key] = _Lease(request_id, tuple(block_ids), now + lease_s)
+        with self._lock:
+            self._gone.pop(key, None)
+            if key in self._early:
+                del self._early[key]
+                self._end(key, "released by the consumer before the lease began")
+                self._finished.add(request_id)
+                self._finished_keys.add(key)
+                self.completed += 1
+                return
+            self._leases[key] = _Lease(request_id, tuple(block_ids), now + lease_s)
 
     def block_ids(self, key: str) -> tuple[int, ...] | None:
-        lease = self._leases.get(key)
-        return None if lease is None else lease.block_ids
+        with self._lock:
+            lease = self._leases.get(key)
+            return None if lease is None else lease.block_ids
 
     def hold(self, key: str) -> None:
         """Never expire while a write from these blocks is in flight (the write has its own deadline)."""
-        self._leases[key].deadline = float("inf")
+        with self._lock:
+            self._leases[key].held = True
 
-    def notice(self, key: str, now: float) -> None:
-        """D is done with the blocks held under key."""
-        lease = self._leases.pop(key, None)
-        if lease is not None:
-            self._finished.add(lease.request_id)
-            self._finished_keys.add(key)
-            self.completed += 1
-        elif key not in self._finished_keys:
-            self._early[key] = now
+    def claim(self, key: str, consumer: str, block_ids: tuple[int, ...], now: float, hold_s: float) -> Claim:
+        """A consumer reads block_ids of the lease under key: hold them for it until now + hold_s."""
+        with self._lock:
+            lease = self._leases.get(key)
+            if lease is None:
+                gone = self._gone.get(key)
+                if gone is None and key in self._early:
+                    gone = "released by the consumer"
+                if gone is None:
+                    return Claim(ClaimResult.PENDING, "not known here (yet)")
+                self.claims_refused += 1
+                return Claim(ClaimResult.GONE, gone)
+            if not set(block_ids) <= set(lease.block_ids):
+                self.claims_refused += 1
+                return Claim(ClaimResult.MISMATCH, f"{len(block_ids)} claimed blocks are not all held under this key")
+            until = now + hold_s
+            lease.claims[consumer] = max(lease.claims.get(consumer, 0.0), until)
+            lease.deadline = max(lease.deadline, until)
+            self.claims_granted += 1
+            return Claim(ClaimResult.GRANTED)
+
+    def renew(self, key: str, now: float, lease_s: float) -> bool:
+        """A consumer still wants the blocks (its request waits in its queue): extend the lease."""
+        with self._lock:
+            lease = self._leases.get(key)
+            if lease is None:
+                return False
+            lease.deadline = max(lease.deadline, now + lease_s)
+            return True
+
+    def notice(self, key: str, now: float, consumer: str | None = None) -> None:
+        """D is done with the blocks held under key (consumer: D's engine id, when known).
+
+        Another consumer's live claim keeps the blocks until that claim ends."""
+        with self._lock:
+            lease = self._leases.get(key)
+            if lease is not None:
+                if consumer is not None:
+                    lease.claims.pop(consumer, None)
+                if any(until > now for until in lease.claims.values()):
+                    return
+                del self._leases[key]
+                self._end(key, "released after the consumer read it")
+                self._finished.add(lease.request_id)
+                self._finished_keys.add(key)
+                self.completed += 1
+            elif key not in self._finished_keys and key not in self._gone:
+                self._early[key] = now
+
+    def _end(self, key: str, why: str) -> None:
+        self._gone[key] = why
+        while len(self._gone) > self._gone_cap:
+            del self._gone[next(iter(self._gone))]
 
     def take_finished(self, now: float) -> tuple[set[str], set[str]]:
         """(completed, expired) request ids since the last call; both are to be freed."""
-        expired_keys = [key for key, lease in self._leases.items() if lease.deadline <= now]
-        expired = {self._leases.pop(key).request_id for key in expired_keys}
-        self.expired += len(expired)
-        for key in [key for key, t in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
-            del self._early[key]
-        done, self._finished = self._finished, set()
-        self._finished_keys.clear()
-        return done, expired
+        with self._lock:
+            expired_keys = [k for k, lease in self._leases.items() if not lease.held and lease.deadline <= now]
+            expired = set()
+            for key in expired_keys:
+                expired.add(self._leases.pop(key).request_id)
+                self._end(key, "its lease expired before the consumer claimed it")
+            self.expired += len(expired)
+            for key in [key for key, t in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
+                del self._early[key]
+            done, self._finished = self._finished, set()
+            self._finished_keys.clear()
+            return done, expired
 
     @property
     def held_requests(self) -> int:
-        return len(self._leases)
+        with self._lock:
+            return len(self._leases)
 
     @property
     def held_blocks(self) -> int:
-        return sum(len(lease.block_ids) for lease in self._leases.values())
+        with self._lock:
+            return sum(len(lease.block_ids) for lease in self._leases.values())
 
 
 class RecvPhase(enum.Enum):
@@ -107,6 +192,14 @@ class RecvTask:
     started: float = 0.0
     num_bytes: int = 0
     num_descriptors: int = 0
+    # Pull only: the fence. The read counts only if P granted a claim on its lease (claim) and the
+    # read completed (read_done_at) before that claim could lapse at P (fence_deadline).
+    fenced: bool = False
+    claim: Any = None  # the claim request in flight (Receiver's batch), None when none is
+    claim_deadline: float = 0.0  # give up claiming (P never learnt of the lease) after this
+    claim_retry_at: float = 0.0
+    fence_deadline: float | None = None  # set once granted
+    read_done_at: float | None = None
 
     def fail(self, error: str) -> None:
         self.phase = RecvPhase.FAILED

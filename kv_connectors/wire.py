@@ -134,6 +134,37 @@ class PushRequest(msgspec.Struct, frozen=True, tag="push"):
     block_ids: list[int]
 
 
+class ClaimItem(msgspec.Struct, frozen=True, array_like=True):
+    key: str  # what P holds the blocks under: its request id or the transfer id
+    block_ids: list[int]  # P's blocks the consumer reads
+
+
+class ClaimRequest(msgspec.Struct, frozen=True, tag="claim"):
+    """D -> P (pull): the fence. D reads P's blocks only under leases P confirms live; P holds each
+    granted lease for D until D's notice or hold_s from now, and refuses leases that already ended."""
+
+    consumer_engine_id: str
+    items: list[ClaimItem]
+
+
+class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
+    results: list[str]  # state.ClaimResult values, one per item, in order
+    reasons: list[str]
+    hold_s: float  # how long from P's receipt a granted claim holds the blocks
+
+
+class RenewRequest(msgspec.Struct, frozen=True, tag="renew"):
+    """D -> P (heartbeat): these requests still wait in D's queue; keep their leases alive."""
+
+    consumer_engine_id: str
+    keys: list[str]
+
+
+class RenewReply(msgspec.Struct, frozen=True, tag="renew_reply"):
+    known: list[bool]  # per key: a live lease was extended
+    lease_s: float  # P's lease: renew well within it
+
+
 class PushAck(msgspec.Struct, frozen=True, tag="push_ack"):
     accepted: bool
     message: str = ""
@@ -151,10 +182,13 @@ class TransferDone(msgspec.Struct, frozen=True, tag="done"):
 
 Body = (
     HandshakeRequest | HandshakeReply | StatsRequest | StatsReply | ErrorReply | PushRequest | PushAck | TransferDone
+    | ClaimRequest | ClaimReply | RenewRequest | RenewReply
 )
 
 # Message kinds that carry no compatibility check (monitoring tools do not know the hash).
-_UNCHECKED = {"stats", "stats_reply", "error"}
+UNCHECKED = frozenset({"stats", "stats_reply", "error"})
+# A server checks every request's hash but a handshake's, whose CompatInfo it compares field by field.
+SERVER_UNCHECKED = UNCHECKED | {"handshake"}
 
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(tuple[Header, msgspec.Raw])
@@ -167,10 +201,11 @@ def encode(body: Body, compat_hash: str) -> bytes:
     return _encoder.encode((Header(WIRE_VERSION, compat_hash, kind), body))
 
 
-def decode(frame: bytes, expected_hash: str | None) -> Body:
+def decode(frame: bytes, expected_hash: str | None, unchecked: frozenset[str] = UNCHECKED) -> Body:
     """Check version and hash from the header, then decode the body.
 
-    expected_hash None accepts any hash (the receiver checks it itself, e.g. to explain a mismatch).
+    expected_hash None accepts any hash (the receiver checks it itself, e.g. to explain a mismatch);
+    kinds in `unchecked` are not hash-checked.
     """
     try:
         header, raw = _header_decoder.decode(frame)
@@ -181,7 +216,7 @@ def decode(frame: bytes, expected_hash: str | None) -> Body:
             f"peer speaks wire version {header.wire_version}, we speak {WIRE_VERSION}; "
             "upgrade both sides to the same kv-connectors release"
         )
-    if expected_hash is not None and header.kind not in _UNCHECKED and header.compat_hash != expected_hash:
+    if expected_hash is not None and header.kind not in unchecked and header.compat_hash != expected_hash:
         raise IncompatiblePeerError(
             f"peer compatibility hash {header.compat_hash} differs from ours {expected_hash} "
             "(model, dtype, KV layout or block size differ)"

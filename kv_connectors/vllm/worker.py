@@ -127,6 +127,10 @@ class WorkerSide:
         assert self._layout is not None and self._compat is not None
         if isinstance(body, wire.PushRequest):
             return self._sender.on_push(body)
+        if isinstance(body, wire.ClaimRequest):
+            return self._sender.on_claim(body)
+        if isinstance(body, wire.RenewRequest):
+            return self._sender.on_renew(body)
         if not isinstance(body, wire.HandshakeRequest):
             return wire.ErrorReply("bad_request", f"unexpected {type(body).__name__}")
         if body.compat.hash() != self._compat.hash():

@@ -1,0 +1,87 @@
+"""Stale-read drill (real vLLM): D gets P's kv_transfer_params only after P's lease expired and
+other prompts reused every block P held. D must fail the request (policy fail) or recompute it
+(policy recompute): never answer 200 with tokens computed from another prompt's KV."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from tests.e2e.checks import MAX_TOKENS
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+LEASE_S = 2.0
+# The tiny model's KV is 1 KiB per token (2 layers x 2 KV heads x 64 values x 4 bytes): 32 KiB per
+# 32-token block, so 1 MiB is 32 blocks and two 480-token prompts reuse every one of them.
+SMALL_KV_BYTES = 1024 * 1024
+FILLER = make_prompts([480, 480, 480], seed=77)
+PROMPTS = make_prompts([200, 300, 150], seed=78)
+
+
+@pytest.fixture(scope="module")
+def short_lease_prefill(tiny_model):
+    server = pd_server(tiny_model, "kv_producer", name="P-short-lease", max_model_len=MAX_MODEL_LEN,
+                       kv_cache_bytes=SMALL_KV_BYTES, extra_config={"lease_s": LEASE_S})
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def recompute_decode(tiny_model):
+    server = pd_server(tiny_model, "kv_consumer", name="D-recompute-stale", max_model_len=MAX_MODEL_LEN,
+                       extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10})
+    idx = server.argv.index("--kv-transfer-config") + 1
+    cfg = json.loads(server.argv[idx])
+    cfg["kv_load_failure_policy"] = "recompute"
+    server.argv[idx] = json.dumps(cfg)
+    with server:
+        yield server
+
+
+def _stale_params(producer, prompt) -> dict:
+    """P's params for prompt, after the lease expired and other prompts overwrote every block."""
+    params = prefill(producer.url, prompt)
+    expired = stats(producer).expired_leases
+    wait_until(lambda: stats(producer).expired_leases > expired, 15, "P's lease to expire")
+    for filler in FILLER:  # plain requests on P: they allocate (and overwrite) every free block
+        output_ids(generate(producer.url, filler, 1))
+    return params
+
+
+def _failed(response) -> bool:
+    return response.status_code != 200 or response.json()["choices"][0]["finish_reason"] == "error"
+
+
+def test_stale_read_fails_with_policy_fail(reference, short_lease_prefill, decode_server):
+    for prompt in PROMPTS:
+        expected = output_ids(generate(reference.url, prompt, MAX_TOKENS))
+        params = _stale_params(short_lease_prefill, prompt)
+        d0 = stats(decode_server)
+        r = generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=60)
+        if r.status_code == 200 and not _failed(r):
+            got = list(r.json()["choices"][0]["token_ids"])
+            assert got == expected, f"stale read served wrong tokens with HTTP 200 (length {len(prompt)})"
+            pytest.fail(f"a stale read was served (tokens happened to match, length {len(prompt)})")
+        assert stats(decode_server).recv_failures == d0.recv_failures + 1
+    # The same requests read in time are exact: the drill's prompts and P are fine.
+    prompt = make_prompts([250], seed=79)[0]
+    params = prefill(short_lease_prefill.url, prompt)
+    got = output_ids(generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=params))
+    assert got == output_ids(generate(reference.url, prompt, MAX_TOKENS))
+    wait_until(lambda: stats(short_lease_prefill).held_blocks == 0, 10, "P to free its blocks")
+
+
+def test_stale_read_recomputes_with_policy_recompute(reference, short_lease_prefill, recompute_decode):
+    prompts = make_prompts([210, 310], seed=80)
+    for prompt in prompts:
+        expected = output_ids(generate(reference.url, prompt, MAX_TOKENS))
+        params = _stale_params(short_lease_prefill, prompt)
+        d0 = stats(recompute_decode)
+        got = output_ids(generate(recompute_decode.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=60))
+        assert got == expected, f"stale read served wrong tokens (length {len(prompt)})"
+        d1 = stats(recompute_decode)
+        assert d1.recv_failures == d0.recv_failures + 1, "D recomputed nothing: it loaded the stale KV"
+        assert d1.recv_transfers == d0.recv_transfers
