@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, TransferMode
@@ -21,7 +22,6 @@ PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, p
 RELEASE_PREFIX = "release:"  # task ids of releases nobody waits on
 _CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its next step): ask again
 _FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly different rates
-_MAX_PEER_POOLS = 256  # one side-channel thread per producer; beyond this, producers share one
 
 
 @dataclasses.dataclass
@@ -65,16 +65,18 @@ class Receiver:
         transport: Transport,
         layout: KVLayout,
         compat: wire.CompatInfo,
+        *,
+        client: sidechannel.SideChannelClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg
         self._rank = rank
+        self._client = client or sidechannel.SideChannelClient()
+        self._clock = clock
         self._transport = transport
         self._layout = layout
         self._compat = compat
         self._hash = compat.hash()
-        # Side-channel I/O runs on one thread per producer: a frozen producer delays only its own requests.
-        self._pools: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
-        self._shared_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sidechannel")
         self._peers: dict[PeerKey, _Peer] = {}
         self._tasks: dict[str, RecvTask] = {}
         self._to_claim: dict[PeerKey, list[RecvTask]] = {}
@@ -82,17 +84,9 @@ class Receiver:
         self.claims_refused = 0
 
     def _submit(self, key: PeerKey, body: wire.Body) -> concurrent.futures.Future:
-        """One side-channel request to the producer at key, on that producer's own thread."""
+        """One side-channel request to the producer at key (off this thread, with its own deadline)."""
         _engine, host, port = key
-        pool = self._pools.get((host, port))
-        if pool is None:
-            if len(self._pools) >= _MAX_PEER_POOLS:
-                pool = self._shared_pool
-            else:
-                pool = self._pools[(host, port)] = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix=f"kvc-sc-{port}"
-                )
-        return pool.submit(sidechannel.request, host, port, body, self._hash, self._cfg.handshake_timeout_s)
+        return self._client.submit(host, port, body, self._hash, self._cfg.handshake_timeout_s)
 
     # intake -----------------------------------------------------------------------------------
     def add(self, task: RecvTask) -> None:
@@ -119,7 +113,7 @@ class Receiver:
     # progress ---------------------------------------------------------------------------------
     def progress(self) -> None:
         self._resolve_peers()
-        now = time.monotonic()
+        now = self._clock()
         for task in self._tasks.values():
             if task.phase is RecvPhase.HANDSHAKE:
                 self._advance_handshake(task, now)
@@ -190,7 +184,7 @@ class Receiver:
         )
         task.handle = self._submit(task.peer_key, request)
         task.phase = RecvPhase.REQUESTED
-        task.started = time.monotonic()
+        task.started = self._clock()
         # Set now: P's notification may complete the task before its acknowledgement is seen.
         task.num_bytes = len(task.local_block_ids) * self._layout.block_bytes
 
@@ -199,7 +193,11 @@ class Receiver:
         if future is None:
             return
         if not future.done():
-            return  # the side-channel request has its own deadline
+            if now > task.deadline:  # the request has its own deadline; this one bounds a stuck client too
+                future.cancel()
+                task.handle = None
+                task.fail("the producer did not answer the push request in time")
+            return
         task.handle = None
         try:
             ack = future.result()
@@ -220,7 +218,7 @@ class Receiver:
         The read carries no notification: P learns that D is done only after it granted the claim
         (a notice arriving first would free the lease, and the claim would then be refused)."""
         assert peer.layout is not None
-        started = time.monotonic()  # engines may copy inside the post call (NIXL over cma does)
+        started = self._clock()  # engines may copy inside the post call (NIXL over cma does)
         try:
             plan = plan_transfer(peer.layout, task.remote_block_ids, self._layout, task.local_block_ids)
             task.handle = self._transport.post_read(peer.agent_name, plan, b"")
@@ -233,7 +231,7 @@ class Receiver:
         task.started = started
         task.deadline = started + self._cfg.transfer_timeout_s
         task.claim_deadline = started + self._cfg.handshake_timeout_s
-        self._advance_read(task, time.monotonic())  # queues the claim
+        self._advance_read(task, self._clock())  # queues the claim
 
     def _send_claims(self) -> None:
         """One ClaimRequest per producer for every read waiting to claim."""
@@ -245,7 +243,7 @@ class Receiver:
                 self._cfg.engine_id,
                 [wire.ClaimItem(t.remote_request_id, list(t.remote_block_ids)) for t in tasks],
             )
-            sent_at = time.monotonic()
+            sent_at = self._clock()
             batch = _ClaimBatch(self._submit(key, request), sent_at, {t.request_id: i for i, t in enumerate(tasks)})
             for t in tasks:
                 t.claim = batch
@@ -330,7 +328,7 @@ class Receiver:
 
     def _complete(self, task: RecvTask) -> None:
         task.phase = RecvPhase.DONE
-        elapsed = time.monotonic() - task.started
+        elapsed = self._clock() - task.started
         t = self.totals
         t.transfers += 1
         t.bytes += task.num_bytes
@@ -386,5 +384,4 @@ class Receiver:
             if task.handle is not None and not isinstance(task.handle, concurrent.futures.Future):
                 self._transport.release(task.handle)
         self._tasks.clear()
-        for pool in [*self._pools.values(), self._shared_pool]:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import queue
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kv_connectors import wire
@@ -61,8 +61,11 @@ class Sender:
         layout: KVLayout,
         compat: wire.CompatInfo,
         layer_regions: Mapping[str, Sequence[int]] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg
+        self._clock = clock
         self._transport = transport
         self._layout = layout
         self._hash = compat.hash()
@@ -90,7 +93,7 @@ class Sender:
     def on_claim(self, request: wire.ClaimRequest) -> wire.ClaimReply:
         """The fence (side-channel thread): hold each live lease a consumer is reading for it;
         refuse those that already ended (their blocks may hold other prompts' KV by now)."""
-        now = time.monotonic()
+        now = self._clock()
         hold_s = self._cfg.transfer_timeout_s
         claims = [
             self.leases.claim(item.key, request.consumer_engine_id, tuple(item.block_ids), now, hold_s)
@@ -100,14 +103,14 @@ class Sender:
 
     def on_renew(self, request: wire.RenewRequest) -> wire.RenewReply:
         """Heartbeat (side-channel thread): D's requests still queued; extend their leases."""
-        now = time.monotonic()
+        now = self._clock()
         known = [self.leases.renew(key, now, self._cfg.lease_s) for key in request.keys]
         return wire.RenewReply(known, self._cfg.lease_s)
 
     # engine thread ----------------------------------------------------------------------------
     def add_leases(self, reqs: Mapping[str, Any]) -> None:
         """reqs: request id -> SendSpec (block_ids, key, cancelled)."""
-        now = time.monotonic()
+        now = self._clock()
         for rid, spec in reqs.items():
             self.leases.add(spec.key, rid, spec.block_ids, now, self._cfg.lease_s)
             if spec.key in self._layerwise or spec.key in self._writing:
@@ -117,7 +120,7 @@ class Sender:
 
     def cancel(self, key: str, reason: str) -> None:
         """P's request ended without KV for D: fail D's push now (after writes in flight settle)."""
-        now = time.monotonic()
+        now = self._clock()
         write = self._waiting.pop(key, None)
         if write is not None:
             self._finish(write, reason)
@@ -133,7 +136,7 @@ class Sender:
             self.leases.notice(key, now)
 
     def progress(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._drain_inbox(now)
         for key in list(self._waiting):
             write = self._waiting[key]
@@ -199,10 +202,10 @@ class Sender:
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
         except KVConnectorError as e:
             self._finish(write, f"write failed: {e}")
-            self.leases.notice(key, time.monotonic())
+            self.leases.notice(key, self._clock())
             return
         self.leases.hold(key)
-        write.deadline = time.monotonic() + self._cfg.transfer_timeout_s
+        write.deadline = self._clock() + self._cfg.transfer_timeout_s
         self._writing[key] = write
 
     # layer-wise push (transfer-id flow) -----------------------------------------------------------
@@ -210,7 +213,7 @@ class Sender:
         """Before the forward pass: prefills this step completes whose D already asked for them."""
         if not reqs:
             return
-        now = time.monotonic()
+        now = self._clock()
         self._drain_inbox(now)
         for spec in reqs.values():
             write = self._waiting.get(spec.key)
@@ -239,7 +242,7 @@ class Sender:
         for key in list(self._layerwise):
             write = self._layerwise.pop(key)
             self._post_regions(write, tuple(write.regions_left))
-            write.deadline = time.monotonic() + self._cfg.transfer_timeout_s
+            write.deadline = self._clock() + self._cfg.transfer_timeout_s
             self._writing[key] = write
             if self.leases.block_ids(key) is not None:
                 self.leases.hold(key)
@@ -311,7 +314,7 @@ class Sender:
 
     def take_finished(self, notices: list[wire.TransferDone]) -> set[str]:
         """Request ids whose blocks can be freed: read (D's notices), written, or lease expired."""
-        now = time.monotonic()
+        now = self._clock()
         for notice in notices:
             self.leases.notice(notice.request_id, now, notice.engine_id or None)
         done, expired = self.leases.take_finished(now)

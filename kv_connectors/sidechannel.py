@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
@@ -112,6 +113,33 @@ def request(host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: 
             raise IncompatiblePeerError(f"incompatible peer (server) at {address}: {reply.message}")
         raise HandshakeError(f"peer at {address} refused: {reply.message}")
     return reply
+
+
+class SideChannelClient:
+    """Side-channel requests run off the engine thread: one thread per peer address, so that a
+    frozen peer delays only its own requests; beyond max_peers addresses the rest share one."""
+
+    def __init__(self, max_peers: int = 256) -> None:
+        self._max_peers = max_peers
+        self._pools: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
+        self._shared = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sidechannel")
+
+    def submit(
+        self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
+    ) -> concurrent.futures.Future:
+        pool = self._pools.get((host, port))
+        if pool is None:
+            if len(self._pools) >= self._max_peers:
+                pool = self._shared
+            else:
+                pool = self._pools[(host, port)] = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"kvc-sc-{port}"
+                )
+        return pool.submit(request, host, port, body, compat_hash, timeout_s)
+
+    def close(self) -> None:
+        for pool in [*self._pools.values(), self._shared]:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def query_stats(host: str, port: int, timeout_s: float = 5.0) -> wire.StatsReply:

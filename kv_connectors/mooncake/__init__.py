@@ -23,14 +23,9 @@ def _build_connector_class() -> type:
         default_extra_config = {"mode": "push"}
 
         def make_transport(self, name: str) -> Any:
-            from kv_connectors.mooncake.transport import MooncakeTransport
+            from kv_connectors.transports import create_transport
 
-            return MooncakeTransport(
-                name,
-                hostname=self._cfg.side_channel_host,
-                protocol=self._cfg.mooncake_protocol,
-                device_name=self._cfg.mooncake_device_name,
-            )
+            return create_transport("mooncake", name, self._cfg)
 
     MooncakeConnector.__module__ = __name__
     MooncakeConnector.__qualname__ = "MooncakeConnector"

@@ -22,14 +22,9 @@ def _build_connector_class() -> type:
         transport_name = "nixl"
 
         def make_transport(self, name: str) -> Any:
-            from kv_connectors.nixl.transport import NixlTransport
+            from kv_connectors.transports import create_transport
 
-            return NixlTransport(
-                name,
-                backend=self._cfg.nixl_backend,
-                progress_delay_us=self._cfg.progress_delay_us,
-                num_threads=self._cfg.nixl_num_threads or None,
-            )
+            return create_transport("nixl", name, self._cfg)
 
     NixlConnector.__module__ = __name__
     NixlConnector.__qualname__ = "NixlConnector"

@@ -1,51 +1,15 @@
-"""Scheduler -> worker metadata for one step: what to load, what to hold, what to release or fail."""
+"""Scheduler -> worker metadata for one step, as vLLM carries it (KVConnectorMetadata)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
 from kv_connectors.vllm.compat import KVConnectorMetadata
 
-
-@dataclasses.dataclass(frozen=True)
-class RecvSpec:
-    """D: load remote_block_ids of the peer into local_block_ids, then tell P it may free them.
-
-    Empty remote_block_ids with local blocks (the transfer-id flow): P's blocks are unknown
-    here, so P is asked to write into local_block_ids. report=False for releases the scheduler
-    does not wait on (request aborted before it was scheduled, or every block was a local
-    prefix hit): only P is told.
-    """
-
-    peer_key: tuple[str, str, int]  # (engine id or "", side-channel host, port)
-    remote_request_id: str  # the key P holds the blocks under (its request id or the transfer id)
-    local_block_ids: tuple[int, ...]
-    remote_block_ids: tuple[int, ...]
-    report: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class SendSpec:
-    """P: blocks of a finished prefill, held for a D under `key` (the request id or the transfer id).
-
-    cancelled: the prefill did not finish normally (aborted) but layer-wise writes from these
-    blocks may be in flight; hold them until those settle, then tell D it failed.
-    """
-
-    block_ids: tuple[int, ...]
-    key: str
-    cancelled: bool = False
+__all__ = ["ConnectorMetadata", "RecvSpec", "SendSpec"]
 
 
 @dataclasses.dataclass
-class ConnectorMetadata(KVConnectorMetadata):
-    """Built by the scheduler side each step; consumed once by the worker side."""
-
-    reqs_to_recv: dict[str, RecvSpec] = dataclasses.field(default_factory=dict)
-    reqs_to_send: dict[str, SendSpec] = dataclasses.field(default_factory=dict)  # request id -> blocks held
-    reqs_failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> reason
-    # P: prefills this step completes whose D may already be waiting (transfer-id flow):
-    # their layers can be written as soon as each is computed.
-    reqs_layerwise: dict[str, SendSpec] = dataclasses.field(default_factory=dict)
-    # P: transfer ids whose prefill ended without KV to send (aborted): D is told at once.
-    transfers_cancelled: dict[str, str] = dataclasses.field(default_factory=dict)
+class ConnectorMetadata(StepMetadata, KVConnectorMetadata):
+    """StepMetadata in the type vLLM passes from the scheduler to the worker."""

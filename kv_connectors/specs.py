@@ -1,0 +1,51 @@
+"""What the scheduler side tells the worker side each step (pure: no vLLM types).
+
+The vLLM adapter's ConnectorMetadata is this plus vLLM's KVConnectorMetadata base."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvSpec:
+    """D: load remote_block_ids of the peer into local_block_ids, then tell P it may free them.
+
+    Empty remote_block_ids with local blocks (the transfer-id flow): P's blocks are unknown
+    here, so P is asked to write into local_block_ids. report=False for releases the scheduler
+    does not wait on (request aborted before it was scheduled, or every block was a local
+    prefix hit): only P is told.
+    """
+
+    peer_key: tuple[str, str, int]  # (engine id or "", side-channel host, port)
+    remote_request_id: str  # the key P holds the blocks under (its request id or the transfer id)
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    report: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SendSpec:
+    """P: blocks of a finished prefill, held for a D under `key` (the request id or the transfer id).
+
+    cancelled: the prefill did not finish normally (aborted) but layer-wise writes from these
+    blocks may be in flight; hold them until those settle, then tell D it failed.
+    """
+
+    block_ids: tuple[int, ...]
+    key: str
+    cancelled: bool = False
+
+
+@dataclasses.dataclass
+class StepMetadata:
+    """Built by the scheduler side each step; consumed once by the worker side."""
+
+    reqs_to_recv: dict[str, RecvSpec] = dataclasses.field(default_factory=dict)
+    reqs_to_send: dict[str, SendSpec] = dataclasses.field(default_factory=dict)  # request id -> blocks held
+    reqs_failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> reason
+    # P: prefills this step completes whose D may already be waiting (transfer-id flow):
+    # their layers can be written as soon as each is computed.
+    reqs_layerwise: dict[str, SendSpec] = dataclasses.field(default_factory=dict)
+    # P: transfer ids whose prefill ended without KV to send (aborted): D is told at once.
+    transfers_cancelled: dict[str, str] = dataclasses.field(default_factory=dict)

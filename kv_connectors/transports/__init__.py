@@ -1,0 +1,49 @@
+"""Transports by kind: one registry, `create_transport`, used by the connectors, benchmarks and tests.
+
+Engines are imported lazily, so naming one that is not installed says which extra to install.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kv_connectors.config import ConnectorConfig
+from kv_connectors.errors import ConfigError
+from kv_connectors.transport import Transport
+
+KINDS = ("nixl", "mooncake", "memory")
+
+
+def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) -> Transport:
+    """A transport named `name` (its agent name) of `kind`, set up from the connector config.
+
+    kwargs go to the transport (the memory transport needs `fabric`)."""
+    if kind == "nixl":
+        try:
+            from kv_connectors.nixl.transport import NixlTransport
+        except ImportError as e:
+            raise ConfigError(f"the NIXL transport needs `pip install kv-connectors[nixl]`: {e}") from e
+        return NixlTransport(
+            name,
+            backend=cfg.nixl_backend,
+            progress_delay_us=cfg.progress_delay_us,
+            num_threads=cfg.nixl_num_threads or None,
+            **kwargs,
+        )
+    if kind == "mooncake":
+        try:
+            from kv_connectors.mooncake.transport import MooncakeTransport
+        except ImportError as e:
+            raise ConfigError(f"the Mooncake transport needs `pip install kv-connectors[mooncake]`: {e}") from e
+        return MooncakeTransport(
+            name,
+            hostname=cfg.side_channel_host,
+            protocol=cfg.mooncake_protocol,
+            device_name=cfg.mooncake_device_name,
+            **kwargs,
+        )
+    if kind == "memory":
+        from kv_connectors.transports.memory import MemoryTransport
+
+        return MemoryTransport(name, **kwargs)
+    raise ConfigError(f"unknown transport {kind!r}; known: {', '.join(KINDS)}")

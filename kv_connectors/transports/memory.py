@@ -1,0 +1,240 @@
+"""In-process transport and side channel over one `MemoryFabric`: real byte copies between
+registered regions, injectable delays and faults, a clock the test controls. For unit tests of
+the engine (receiver, sender, worker) without NIXL, Mooncake or sockets."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kv_connectors import wire
+from kv_connectors.errors import (
+    HandshakeError,
+    IncompatiblePeerError,
+    KVConnectorError,
+    PeerDisconnectedError,
+    SideChannelBindError,
+    TransportError,
+)
+from kv_connectors.layout import KVLayout
+from kv_connectors.plan import TransferPlan
+from kv_connectors.transport import MemoryKind, XferState
+
+Handler = Callable[[wire.Body], wire.Body]
+
+
+class MemoryFabric:
+    """What connects in-process peers: their transports by name, their side channels by address.
+
+    Faults: `frozen` names agents whose transfers never complete and whose side channel never
+    answers; `dead` names agents whose transfers and side channel fail at once."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.agents: dict[str, MemoryTransport] = {}
+        self.servers: dict[tuple[str, int], MemoryServer] = {}
+        self.frozen: set[str] = set()  # agent names or "host:port" side-channel addresses
+        self.dead: set[str] = set()
+        self.requests: list[wire.Body] = []  # every side-channel request, in order (tests count them)
+
+    # side channel -------------------------------------------------------------------------------
+    def serve(self, host: str, port: int, compat_hash: str, handler: Handler) -> MemoryServer:
+        if (host, port) in self.servers:
+            raise SideChannelBindError(f"side channel {host}:{port} is in use")
+        server = MemoryServer(self, host, port, compat_hash, handler)
+        self.servers[(host, port)] = server
+        return server
+
+    def client(self) -> MemoryClient:
+        return MemoryClient(self)
+
+
+@dataclasses.dataclass
+class MemoryServer:
+    fabric: MemoryFabric
+    host: str
+    port: int
+    compat_hash: str
+    handler: Handler
+
+    def answer(self, frame: bytes) -> bytes:
+        """What SideChannelServer does with one frame, without the socket."""
+        try:
+            body = wire.decode(frame, expected_hash=self.compat_hash, unchecked=wire.SERVER_UNCHECKED)
+            reply = self.handler(body)
+        except IncompatiblePeerError as e:
+            reply = wire.ErrorReply("incompatible", str(e))
+        except KVConnectorError as e:
+            reply = wire.ErrorReply("bad_request", str(e))
+        return wire.encode(reply, self.compat_hash)
+
+    def close(self) -> None:
+        self.fabric.servers.pop((self.host, self.port), None)
+
+
+class MemoryClient:
+    """The side-channel client over the fabric: answered at once (a completed future), or never
+    (a frozen peer: the future stays pending, and the caller's deadline must end the wait)."""
+
+    def __init__(self, fabric: MemoryFabric) -> None:
+        self._fabric = fabric
+
+    def submit(
+        self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
+    ) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._fabric.requests.append(body)
+        address = f"{host}:{port}"
+        if address in self._fabric.frozen:
+            return future  # never answered
+        try:
+            future.set_result(self._request(host, port, body, compat_hash))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def _request(self, host: str, port: int, body: wire.Body, compat_hash: str) -> wire.Body:
+        server = self._fabric.servers.get((host, port))
+        if server is None or f"{host}:{port}" in self._fabric.dead:
+            raise HandshakeError(f"no answer from side channel {host}:{port} (peer down?)")
+        reply = wire.decode(server.answer(wire.encode(body, compat_hash)), compat_hash or None)
+        if isinstance(reply, wire.ErrorReply):
+            if reply.code == "incompatible":
+                raise IncompatiblePeerError(f"incompatible peer (server) at {host}:{port}: {reply.message}")
+            raise HandshakeError(f"peer at {host}:{port} refused: {reply.message}")
+        return reply
+
+    def close(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(eq=False)
+class MemoryXfer:
+    peer_name: str
+    read: bool
+    plan: TransferPlan
+    notif: bytes
+    ready_at: float
+    state: XferState = XferState.IN_PROGRESS
+    error: TransportError | None = None
+
+
+class MemoryTransport:
+    """The Transport Protocol over process memory: a posted plan is copied (ctypes.memmove, every
+    run checked against both sides' registered ranges) once `delay_s` has passed on the fabric's
+    clock, at the first poll after that; then the notification reaches the peer."""
+
+    def __init__(self, name: str, fabric: MemoryFabric, delay_s: float = 0.0) -> None:
+        if name in fabric.agents:
+            raise TransportError(f"agent name {name!r} is taken")
+        self.name = name
+        self.delay_s = delay_s
+        self.fail_next_post: TransportError | None = None  # raised by the next post_read/post_write
+        self._fabric = fabric
+        self._ranges: list[tuple[int, int]] = []
+        self._peers: set[str] = set()
+        self._inbox: list[tuple[str, bytes]] = []
+        self.posted = 0
+        fabric.agents[name] = self
+
+    def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
+        if kind is not MemoryKind.HOST:
+            raise TransportError("the memory transport registers host memory only")
+        self._ranges = [(r.base, r.base + r.span) for r in layout.regions]
+
+    def local_metadata(self) -> bytes:
+        return self.name.encode()
+
+    def connect(self, peer_name: str, peer_metadata: bytes) -> None:
+        if peer_metadata != peer_name.encode() or peer_name not in self._fabric.agents:
+            raise TransportError(f"unknown peer {peer_name!r}")
+        self._peers.add(peer_name)
+
+    def disconnect(self, peer_name: str) -> None:
+        self._peers.discard(peer_name)
+
+    def _peer(self, peer_name: str) -> MemoryTransport:
+        if peer_name not in self._peers:
+            raise TransportError(f"peer {peer_name!r} is not connected")
+        peer = self._fabric.agents.get(peer_name)
+        if peer is None or peer_name in self._fabric.dead:
+            raise PeerDisconnectedError(f"peer {peer_name!r} is gone")
+        return peer
+
+    def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> MemoryXfer:
+        return self._post(peer_name, plan, notif, read=True)
+
+    def post_write(self, peer_name: str, plan: TransferPlan, notif: bytes) -> MemoryXfer:
+        return self._post(peer_name, plan, notif, read=False)
+
+    def _post(self, peer_name: str, plan: TransferPlan, notif: bytes, read: bool) -> MemoryXfer:
+        peer = self._peer(peer_name)
+        if self.fail_next_post is not None:
+            error, self.fail_next_post = self.fail_next_post, None
+            raise error
+        remote, local = (plan.src, plan.dst) if read else (plan.dst, plan.src)
+        _check(peer._ranges, remote, plan.length, f"{peer_name}'s memory")
+        _check(self._ranges, local, plan.length, "our memory")
+        self.posted += 1
+        xfer = MemoryXfer(peer_name, read, plan, notif, self._fabric.clock() + self.delay_s)
+        self._try_complete(xfer)
+        return xfer
+
+    def _try_complete(self, xfer: MemoryXfer) -> None:
+        if xfer.state is XferState.DONE or xfer.error is not None:
+            return
+        if xfer.peer_name in self._fabric.dead:
+            xfer.error = PeerDisconnectedError(f"peer {xfer.peer_name!r} died mid-transfer")
+            return
+        if xfer.peer_name in self._fabric.frozen or self._fabric.clock() < xfer.ready_at:
+            return
+        for src, dst, n in xfer.plan.runs():
+            ctypes.memmove(dst, src, n)
+        xfer.state = XferState.DONE
+        if xfer.notif:
+            self.send_notif(xfer.peer_name, xfer.notif)
+
+    def poll(self, handle: MemoryXfer) -> XferState:
+        self._try_complete(handle)
+        if handle.error is not None:
+            raise handle.error
+        return handle.state
+
+    def release(self, handle: MemoryXfer) -> None:
+        if handle.state is not XferState.DONE and handle.error is None:
+            handle.error = TransportError("released before completion")
+
+    def send_notif(self, peer_name: str, msg: bytes) -> None:
+        peer = self._peer(peer_name)
+        peer._inbox.append((self.name, bytes(msg)))
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        out, self._inbox = self._inbox, []
+        return out
+
+    def close(self) -> None:
+        self._fabric.agents.pop(self.name, None)
+
+
+def _check(ranges: list[tuple[int, int]], addr: np.ndarray, length: np.ndarray, what: str) -> None:
+    for a, n in zip(addr.tolist(), length.tolist()):
+        if not any(lo <= a and a + n <= hi for lo, hi in ranges):
+            raise TransportError(f"run [{a:#x}, +{n}) is outside {what}'s registered regions")
+
+
+def host_layout(buf: Any, num_blocks: int, block_size: int, num_regions: int = 2) -> KVLayout:
+    """A layout over a numpy buffer: num_regions regions of num_blocks packed blocks each (a test KV cache)."""
+    from kv_connectors.layout import Region
+
+    arr = np.asarray(buf)
+    region_bytes = arr.nbytes // num_regions
+    seg = region_bytes // num_blocks
+    base = arr.ctypes.data
+    regions = tuple(Region(base + i * region_bytes, seg, seg, num_blocks) for i in range(num_regions))
+    return KVLayout(num_blocks, block_size, regions)

@@ -1,0 +1,304 @@
+"""Worker side of the engine: owns the transport and side channel; steps the receiver and sender.
+
+Pure (no vLLM import): the clock, the side channel (server factory and client) and the transport
+factory are injected, so every path runs in unit tests over the memory transport with a fake clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from kv_connectors import sidechannel, wire
+from kv_connectors.config import ConnectorConfig, Staging
+from kv_connectors.errors import KVConnectorError, TransportError
+from kv_connectors.layout import KVLayout
+from kv_connectors.receiver import RELEASE_PREFIX, Receiver
+from kv_connectors.sender import Sender
+from kv_connectors.state import RecvTask
+from kv_connectors.staging import StagedTransport
+from kv_connectors.specs import StepMetadata
+from kv_connectors.transport import MemoryKind, Transport
+
+logger = logging.getLogger(__name__)
+
+TransportFactory = Callable[[str], Transport]
+
+
+class Server(Protocol):
+    compat_hash: str
+
+    def close(self) -> None: ...
+
+
+ServerFactory = Callable[[str, int, str, Callable[[wire.Body], wire.Body]], Server]
+
+
+class WorkerEngine:
+    """Runs in the Worker process, on the thread vLLM calls it on (every transport call happens
+    there); the side-channel thread only answers handshakes, claims and stats and queues push
+    requests."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        rank: int,
+        make_transport: TransportFactory,
+        transport_label: str = "",
+        *,
+        serve: ServerFactory = sidechannel.SideChannelServer,
+        client: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg = cfg
+        self._serve = serve
+        self._client = client if client is not None else sidechannel.SideChannelClient()
+        self._clock = clock
+        self._transport_label = transport_label
+        self._rank = rank
+        self._make_transport = make_transport
+        self._transport: Transport | None = None
+        self._layout: KVLayout | None = None
+        self._compat: wire.CompatInfo | None = None
+        self._server: sidechannel.SideChannelServer | None = None
+        self._receiver: Receiver | None = None
+        self._sender: Sender | None = None
+        self._stats = wire.StatsReply(cfg.engine_id, 0, 0, 0, 0)
+        self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
+        self._staging: StagedTransport | None = None
+
+    # set-up ---------------------------------------------------------------------------------
+    def register(
+        self,
+        layout: KVLayout,
+        compat: wire.CompatInfo,
+        kind: MemoryKind = MemoryKind.HOST,
+        device_id: int = 0,
+        layer_regions: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        # Bind first: a port in use must fail start-up before anything else is built.
+        server = self._serve(
+            self._cfg.side_channel_host,
+            self._cfg.side_channel_port_for_rank(self._rank),
+            compat.hash(),
+            self._handle,
+        )
+        try:
+            transport = self._registered_transport(layout, kind, device_id)
+        except BaseException:
+            server.close()
+            raise
+        # Both peers must move data the same way (same engine; staged or not).
+        kind_of_transfer = self._transport_label + ("+staging" if self._staging is not None else "")
+        compat = msgspec.structs.replace(compat, transport=kind_of_transfer)
+        server.compat_hash = compat.hash()
+        self._layout, self._compat, self._transport = layout, compat, transport
+        self._receiver = Receiver(
+            self._cfg, self._rank, transport, layout, compat, client=self._client, clock=self._clock
+        )
+        # Layer-wise push writes straight from the KV cache: not through a staging pool.
+        layers = layer_regions if self._staging is None and self._cfg.layerwise else None
+        self._sender = Sender(self._cfg, transport, layout, compat, layers, clock=self._clock)
+        self._server = server  # last: the handler answers only once everything above exists
+        logger.info(
+            "KV cache registered: %d blocks x %d bytes in %d regions, compat hash %s",
+            layout.num_blocks, layout.block_bytes, len(layout.regions), compat.hash(),
+        )
+
+    def _registered_transport(self, layout: KVLayout, kind: MemoryKind, device_id: int) -> Transport:
+        """The transport with the KV cache registered: directly, or through a staging pool when
+        asked (staging=on) or when device memory cannot be registered (staging=auto)."""
+        name = f"{self._cfg.engine_id}-rank{self._rank}"
+        if self._cfg.staging is Staging.ON:
+            return self._staged(name, layout, kind, device_id)
+        transport = self._make_transport(name)
+        try:
+            transport.register(layout, kind, device_id)
+            return transport
+        except TransportError as e:
+            transport.close()
+            if self._cfg.staging is not Staging.AUTO or kind is not MemoryKind.DEVICE:
+                raise
+            logger.warning(
+                "device memory cannot be registered with the transport (%s): staging through a %d KiB host pool",
+                e, self._cfg.staging_pool_kib,
+            )
+        return self._staged(name, layout, kind, device_id)
+
+    def _staged(self, name: str, layout: KVLayout, kind: MemoryKind, device_id: int) -> Transport:
+        inner = self._make_transport(name)
+        try:
+            staged = StagedTransport(
+                inner,
+                pool_bytes=self._cfg.staging_pool_kib * 1024,
+                chunk_bytes=self._cfg.staging_chunk_kib * 1024,
+            )
+            staged.register(layout, kind, device_id)
+        except BaseException:
+            inner.close()
+            raise
+        self._staging = staged
+        return staged
+
+    def _handle(self, body: wire.Body) -> wire.Body:
+        """Side-channel requests (server thread)."""
+        if isinstance(body, wire.StatsRequest):
+            return self._stats
+        if self._server is None or self._transport is None or self._sender is None:
+            return wire.ErrorReply("not_ready", "KV cache not registered yet")
+        assert self._layout is not None and self._compat is not None
+        if isinstance(body, wire.PushRequest):
+            return self._sender.on_push(body)
+        if isinstance(body, wire.ClaimRequest):
+            return self._sender.on_claim(body)
+        if isinstance(body, wire.RenewRequest):
+            return self._sender.on_renew(body)
+        if not isinstance(body, wire.HandshakeRequest):
+            return wire.ErrorReply("bad_request", f"unexpected {type(body).__name__}")
+        if body.compat.hash() != self._compat.hash():
+            diff = self._compat.diff(body.compat, mine="server", theirs="client")
+            logger.error("refused incompatible peer %s: %s", body.engine_id, diff)
+            return wire.ErrorReply("incompatible", diff)
+        logger.info("handshake from engine %s rank %d", body.engine_id, body.rank)
+        self._sender.on_handshake(body)
+        return wire.HandshakeReply(
+            engine_id=self._cfg.engine_id,
+            agent_name=self._transport.name,
+            agent_metadata=self._transport.local_metadata(),
+            layout=wire.LayoutMsg.from_layout(self._layout),
+        )
+
+    # per step ---------------------------------------------------------------------------------
+    def start_load(self, meta: StepMetadata | None) -> None:
+        if self._receiver is None or self._sender is None:
+            return
+        if meta is not None:
+            self._ingest(meta)
+        self._progress()
+
+    def _ingest(self, meta: StepMetadata) -> None:
+        assert self._receiver is not None and self._sender is not None
+        self._sender.add_leases(meta.reqs_to_send)
+        for key, reason in meta.transfers_cancelled.items():
+            self._sender.cancel(key, reason)
+        # D's request may have come since before_forward: push right after this forward pass then.
+        self._sender.begin_layerwise(meta.reqs_layerwise)
+        now = self._clock()
+        deadline = now + self._cfg.handshake_timeout_s + self._cfg.transfer_timeout_s
+        for rid, spec in meta.reqs_to_recv.items():
+            self._receiver.add(
+                RecvTask(
+                    request_id=rid if spec.report else RELEASE_PREFIX + rid,
+                    peer_key=spec.peer_key,
+                    remote_request_id=spec.remote_request_id,
+                    local_block_ids=list(spec.local_block_ids),
+                    remote_block_ids=list(spec.remote_block_ids),
+                    deadline=deadline,
+                    started=now,
+                )
+            )
+        for rid, reason in meta.reqs_failed.items():
+            task = RecvTask(rid, ("", "", 0), "", [], [], now)
+            task.fail(reason)
+            self._receiver.add(task)
+
+    def _progress(self) -> None:
+        """Advance both sides; notices meant for the sender (blocks D is done with) are kept
+        until take_results."""
+        assert self._receiver is not None and self._sender is not None and self._transport is not None
+        for _agent, msg in self._transport.get_notifs():
+            try:
+                body = wire.decode(msg, self._compat.hash() if self._compat else None)
+            except KVConnectorError as e:
+                logger.warning("dropped a bad notification: %s", e)
+                continue
+            if not isinstance(body, wire.TransferDone):
+                continue
+            if not self._receiver.on_done_notice(body.request_id, body.error, body.runs):
+                self._notices.append(body)
+        self._receiver.progress()
+        self._sender.progress()
+
+    def before_forward(self, meta: StepMetadata) -> None:
+        """Layer-wise pushes for prefills the coming forward pass completes, where D already asked."""
+        if self._sender is not None:
+            self._sender.begin_layerwise(meta.reqs_layerwise)
+
+    def on_layer_saved(self, layer_name: str) -> None:
+        if self._sender is not None:
+            self._sender.on_layer_saved(layer_name)
+
+    def end_of_forward(self) -> None:
+        if self._sender is not None:
+            self._sender.end_layerwise()
+
+    # results ----------------------------------------------------------------------------------
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        if self._receiver is None or self._sender is None:
+            return set(), set(), set()
+        self._progress()
+        notices, self._notices = self._notices, []
+        sending = self._sender.take_finished(notices)
+        recving, failed = self._receiver.take_finished()
+        self._stats = self._snapshot()
+        return sending, recving, failed
+
+    @property
+    def stats(self) -> wire.StatsReply:
+        """Counters as of the last take_results (what the side channel answers to StatsRequest)."""
+        return self._stats
+
+    def take_load_durations(self) -> list[float]:
+        """Each completed load's duration since the last call (for the load-time histogram)."""
+        if self._receiver is None:
+            return []
+        durations, self._receiver.totals.durations = self._receiver.totals.durations, []
+        return durations
+
+    def _snapshot(self) -> wire.StatsReply:
+        assert self._receiver is not None and self._sender is not None
+        t, leases = self._receiver.totals, self._sender.leases
+        return wire.StatsReply(
+            engine_id=self._cfg.engine_id,
+            held_requests=leases.held_requests,
+            held_blocks=leases.held_blocks,
+            completed_sends=leases.completed,
+            expired_leases=leases.expired,
+            recv_transfers=t.transfers,
+            recv_failures=t.failures,
+            recv_bytes=t.bytes,
+            recv_blocks=t.blocks,
+            recv_descriptors=t.descriptors,
+            recv_seconds=t.seconds,
+            pushes=self._sender.pushes,
+            layerwise_pushes=self._sender.layerwise_pushes,
+            push_failures=self._sender.push_failures,
+            **self._staging_stats(),
+        )
+
+    def _staging_stats(self) -> dict[str, int]:
+        if self._staging is None:
+            return {}
+        ps = self._staging.pool_stats()
+        return {
+            "staging_pool_bytes": int(ps["pool_bytes"]),
+            "staging_peak_bytes": int(ps["peak_slots_in_use"]) * self._cfg.staging_chunk_kib * 1024,
+            "staging_allocated_bytes": int(ps.get("allocated_bytes", ps["pool_bytes"])),
+        }
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._receiver is not None:
+            self._receiver.close()
+        if self._sender is not None:
+            self._sender.close()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None

@@ -1,0 +1,114 @@
+"""A P and a D worker engine over one in-process fabric (memory transport, in-process side
+channel) with a clock the test moves: each state-machine path runs deterministically in ms."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from kv_connectors import wire
+from kv_connectors.config import parse_config
+from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.transports.memory import MemoryFabric, MemoryTransport, host_layout
+from kv_connectors.worker import WorkerEngine
+
+NUM_BLOCKS = 16
+BLOCK_SIZE = 4
+BLOCK_WORDS = 64  # float32 words per block per region
+P_PORT, D_PORT, D2_PORT = 7001, 7002, 7003
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def compat_for(layout: Any) -> wire.CompatInfo:
+    return wire.CompatInfo(
+        architecture="Tiny", num_layers=1, hidden_size=8, num_kv_heads=1, head_size=8, vocab_size=16,
+        dtype="float32", block_size=BLOCK_SIZE, layout=layout.shape_signature(),
+    )
+
+
+@dataclasses.dataclass
+class Node:
+    engine: WorkerEngine
+    kv: np.ndarray  # (regions, blocks, words)
+    transport: MemoryTransport
+    finished_sending: set[str] = dataclasses.field(default_factory=set)
+    finished_recving: set[str] = dataclasses.field(default_factory=set)
+    failed_recving: set[str] = dataclasses.field(default_factory=set)
+
+    def step(self, meta: StepMetadata | None = None) -> None:
+        """One engine step as vLLM drives it: start_load_kv, (forward), get_finished."""
+        self.engine.start_load(meta)
+        sending, recving, failed = self.engine.take_results()
+        self.finished_sending |= sending
+        self.finished_recving |= recving
+        self.failed_recving |= failed
+
+    def block(self, block_id: int) -> np.ndarray:
+        return self.kv[:, block_id, :].copy()
+
+
+class Cluster:
+    """P (producer) and one or two D (consumer) engines."""
+
+    def __init__(self, p_extra: dict | None = None, d_extra: dict | None = None, d_delay_s: float = 0.0) -> None:
+        self.clock = FakeClock()
+        self.fabric = MemoryFabric(self.clock)
+        self.p = self._node("P", "kv_producer", P_PORT, {"lease_s": 5, "transfer_timeout_s": 10, **(p_extra or {})},
+                            fill=1.0)
+        self.d = self._node("D", "kv_consumer", D_PORT,
+                            {"handshake_timeout_s": 2, "transfer_timeout_s": 10, **(d_extra or {})}, fill=-1.0,
+                            delay_s=d_delay_s)
+
+    def _node(self, engine_id: str, role: str, port: int, extra: dict, fill: float, delay_s: float = 0.0) -> Node:
+        cfg = parse_config(engine_id, role, {"side_channel_port": port, **extra})
+        kv = np.zeros((2, NUM_BLOCKS, BLOCK_WORDS), dtype=np.float32)
+        # Block b of a node holds fill * (b + 1) everywhere: a copy is recognisable by its value.
+        kv[:] = fill * (np.arange(NUM_BLOCKS, dtype=np.float32)[None, :, None] + 1)
+        layout = host_layout(kv, NUM_BLOCKS, BLOCK_SIZE)
+        made: list[MemoryTransport] = []
+
+        def make(name: str) -> MemoryTransport:
+            made.append(MemoryTransport(name, self.fabric, delay_s=delay_s))
+            return made[-1]
+
+        engine = WorkerEngine(cfg, 0, make, "memory", serve=self.fabric.serve, client=self.fabric.client(),
+                              clock=self.clock)
+        engine.register(layout, compat_for(layout))
+        return Node(engine, kv, made[-1])
+
+    def add_consumer(self, engine_id: str = "D2", port: int = D2_PORT, extra: dict | None = None) -> Node:
+        return self._node(engine_id, "kv_consumer", port,
+                          {"handshake_timeout_s": 2, "transfer_timeout_s": 10, **(extra or {})}, fill=-2.0)
+
+    # P's side -----------------------------------------------------------------------------------
+    def prefill_done(self, rid: str, blocks: tuple[int, ...], key: str | None = None) -> None:
+        """P's scheduler finished a prefill for a D: its worker learns of it at the next step."""
+        self.p.step(StepMetadata(reqs_to_send={rid: SendSpec(blocks, key or rid)}))
+
+    def overwrite_p_block(self, block_id: int, value: float) -> None:
+        self.p.kv[:, block_id, :] = value
+
+    # D's side -----------------------------------------------------------------------------------
+    @staticmethod
+    def recv(node: Node, rid: str, remote_rid: str, local: tuple[int, ...], remote: tuple[int, ...],
+             report: bool = True) -> None:
+        node.step(StepMetadata(reqs_to_recv={rid: RecvSpec(("P", "127.0.0.1", P_PORT), remote_rid, local, remote,
+                                                           report=report)}))
+
+    def run(self, steps: int = 5, dt: float = 0.001, nodes: tuple[Node, ...] | None = None) -> None:
+        for _ in range(steps):
+            self.clock.advance(dt)
+            for node in nodes or (self.d, self.p):
+                node.step()
