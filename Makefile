@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test test-unit test-transports test-e2e bench bench-e2e bench-faults clean
+.PHONY: all setup demo lint test test-fast test-unit test-transports test-e2e bench bench-e2e bench-faults clean
 
 all: test
 
@@ -34,10 +34,14 @@ demo: $(STAMP)
 
 # e.g. make demo DEMO_ARGS="--transport mooncake", DEMO_ARGS="--mode push" or DEMO_ARGS="--staging on"
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kv_connectors tests benchmarks examples
+
+test: lint
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
 
-test-unit: $(STAMP)
+# Unit tests only (core, engine over the memory transport with a fake clock, proxy): about a minute.
+test-fast test-unit: lint
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/unit
 
 bench: $(STAMP)

@@ -26,6 +26,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout",
+            "ruff==0.17.6",  # pinned: lint rules change between releases
             "fastapi",
             "httpx",
             "uvicorn",

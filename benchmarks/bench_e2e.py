@@ -23,16 +23,33 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
 
 from benchmarks.e2e_client import RequestFailed, run_load  # noqa: E402
 from benchmarks.e2e_configs import (  # noqa: E402
-    BUILTIN, COLOCATED, CONFIGS, DEFAULT_CONFIGS, PdConfig, ServerSettings, colocated_server, parse_configs,
+    BUILTIN,
+    COLOCATED,
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    PdConfig,
+    ServerSettings,
+    colocated_server,
+    parse_configs,
     settings_for,
 )
 from benchmarks.e2e_stats import (  # noqa: E402
-    Sample, add_ratios, by_length_table, figures_table, kv_figures, ratios_table, summarize,
+    Sample,
+    add_ratios,
+    by_length_table,
+    figures_table,
+    kv_figures,
+    ratios_table,
+    summarize,
 )
 from kv_connectors.testing.cluster import ProxyProcess, make_prompts, metric, stats  # noqa: E402
 from kv_connectors.testing.procs import VllmServer  # noqa: E402
 from kv_connectors.testing.tiny_model import (  # noqa: E402
-    MODEL_SIZES, build_tiny_model, kv_bytes_per_token, max_positions, weight_bytes,
+    MODEL_SIZES,
+    build_tiny_model,
+    kv_bytes_per_token,
+    max_positions,
+    weight_bytes,
 )
 
 logger = logging.getLogger("bench_e2e")

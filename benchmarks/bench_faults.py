@@ -36,7 +36,17 @@ import httpx  # noqa: E402
 from benchmarks.bench_e2e import machine  # noqa: E402
 from benchmarks.e2e_configs import ServerSettings, settings_for  # noqa: E402
 from benchmarks.fault_scenarios import (  # noqa: E402
-    BUSY_MIN_TOKENS, BUSY_PROMPT_TOKENS, D_MAX_NUM_SEQS, MAX_TOKENS, RUN_ORDER, SCENARIOS, Connector, Kind, Outcome, Pair, connectors,
+    BUSY_MIN_TOKENS,
+    BUSY_PROMPT_TOKENS,
+    D_MAX_NUM_SEQS,
+    MAX_TOKENS,
+    RUN_ORDER,
+    SCENARIOS,
+    Connector,
+    Kind,
+    Outcome,
+    Pair,
+    connectors,
 )
 from kv_connectors.testing.tiny_model import build_tiny_model  # noqa: E402
 

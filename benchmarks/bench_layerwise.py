@@ -26,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.e2e_client import stream_one  # noqa: E402
 from benchmarks.e2e_stats import Sample  # noqa: E402
 from kv_connectors.testing.cluster import (  # noqa: E402
-    ENTRY_POINT_FORM, MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM, MOONCAKE_MODULE_FORM, make_prompts, pd_server, stats,
+    ENTRY_POINT_FORM,
+    MODULE_FORM,
+    MOONCAKE_ENTRY_POINT_FORM,
+    MOONCAKE_MODULE_FORM,
+    make_prompts,
+    pd_server,
+    stats,
     transfer_id_params,
 )
 from kv_connectors.testing.procs import VllmServer  # noqa: E402
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outputs: set[tuple[int, ...]] = set()
     with servers["on"], servers["off"], d:
         before = {k: stats(s) for k, s in servers.items()}
-        for name, p in servers.items():  # warm-up: handshakes, first-request costs
+        for _name, p in servers.items():  # warm-up: handshakes, first-request costs
             outputs.add(tuple(one_request(p, d, prompt, args)[1]))
         for _ in range(args.repeats):
             for name, p in servers.items():

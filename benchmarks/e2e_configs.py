@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ PATCHED_NOTE = (
 )
 BUILTIN_LAUNCHER = Path(__file__).resolve().parent / "e2e_builtin_launcher.py"
 PROGRESS_DELAY_ENV = "KVC_BENCH_NIXL_PROGRESS_DELAY_US"  # read by e2e_builtin_launcher.py
+# ours-nixl-pull-baseline: a checkout of an earlier kv-connectors, run in the same benchmark as this one.
+BASELINE_TREE_ENV = "KVC_BENCH_BASELINE_TREE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +89,20 @@ class PdConfig:
 
 
 def _ours(form: Mapping[str, str], p_extra: Mapping[str, Any], d_extra: Mapping[str, Any],
-          settings: ServerSettings) -> tuple[VllmServer, VllmServer]:
-    kw = settings.server_kwargs()
+          settings: ServerSettings, source_tree: str | None = None) -> tuple[VllmServer, VllmServer]:
+    kw: dict[str, Any] = settings.server_kwargs()
+    if source_tree:  # another checkout of kv-connectors (e.g. the previous release) imported first
+        kw["extra_env"] = {"PYTHONPATH": source_tree}
     p = pd_server(settings.model, "kv_producer", form=form, name="P", extra_config=p_extra, **kw)
     d = pd_server(settings.model, "kv_consumer", form=form, name="D", extra_config=d_extra, **kw)
     return p, d
+
+
+def _baseline_tree() -> str:
+    tree = os.environ.get(BASELINE_TREE_ENV, "")
+    if not tree or not (Path(tree) / "kv_connectors").is_dir():
+        raise ValueError(f"ours-nixl-pull-baseline needs ${BASELINE_TREE_ENV} set to a kv-connectors checkout")
+    return tree
 
 
 def builtin_transfer_config(role: str) -> str:
@@ -129,6 +141,9 @@ CONFIGS: dict[str, PdConfig] = {
     for c in (
         PdConfig("ours-nixl-pull", "our NixlConnector (module path), D reads P's blocks",
                  lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s), "connector"),
+        PdConfig("ours-nixl-pull-baseline",
+                 f"our NixlConnector, pull, from the checkout named by ${BASELINE_TREE_ENV} (before/after in one run)",
+                 lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s, _baseline_tree()), "connector"),
         PdConfig("ours-nixl-push", "our NixlConnector, P writes into D's blocks",
                  lambda s: _ours(MODULE_FORM, {}, {"mode": "push"}, s), "connector"),
         PdConfig("ours-mooncake", "our MooncakeConnector (tcp), push",

@@ -19,12 +19,30 @@ import httpx
 
 from benchmarks.e2e_configs import ServerSettings, builtin_server
 from benchmarks.fault_probes import (
-    BUILTIN_EXPIRED, LeaseDefault, builtin_d_counters, builtin_lease_default, counter_delta, kv_usage,
-    last_log_line, log_message, log_silent_s, ours_d_counters, ours_lease_default, poll_until,
-    response_summary, send_request,
+    BUILTIN_EXPIRED,
+    LeaseDefault,
+    builtin_d_counters,
+    builtin_lease_default,
+    counter_delta,
+    kv_usage,
+    last_log_line,
+    log_message,
+    log_silent_s,
+    ours_d_counters,
+    ours_lease_default,
+    poll_until,
+    response_summary,
+    send_request,
 )
 from kv_connectors.testing.cluster import (
-    MODULE_FORM, generate, make_prompts, metric, output_ids, pd_server, prefill, stats,
+    MODULE_FORM,
+    generate,
+    make_prompts,
+    metric,
+    output_ids,
+    pd_server,
+    prefill,
+    stats,
 )
 from kv_connectors.testing.procs import VllmServer
 

@@ -12,8 +12,17 @@ import time
 import httpx
 
 from kv_connectors.testing.cluster import (
-    ENTRY_POINT_FORM, MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM, MOONCAKE_MODULE_FORM, ProxyProcess, generate,
-    make_prompts, output_ids, pd_server, stats, wait_until,
+    ENTRY_POINT_FORM,
+    MODULE_FORM,
+    MOONCAKE_ENTRY_POINT_FORM,
+    MOONCAKE_MODULE_FORM,
+    ProxyProcess,
+    generate,
+    make_prompts,
+    output_ids,
+    pd_server,
+    stats,
+    wait_until,
 )
 from kv_connectors.testing.procs import VllmServer
 from kv_connectors.testing.tiny_model import build_tiny_model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,9 +51,17 @@ class ConnectorConfig:
 
     engine_id: str
     role: Role
-    side_channel_host: str = "127.0.0.1"
+    side_channel_host: str = "127.0.0.1"  # what P advertises to D (and binds, unless side_channel_bind_host)
     side_channel_port: int = 5710
+    side_channel_bind_host: str = ""  # e.g. "0.0.0.0" on a multi-host set-up; "" binds side_channel_host
+    side_channel_max_msg_kib: int = 16 * 1024  # larger frames are dropped unread (ZMQ_MAXMSGSIZE)
+    # Shared-secret authentication of side-channel messages (HMAC-SHA256): the name of an environment
+    # variable holding the secret, read once at start-up; "" = off.
+    side_channel_secret_env: str = ""
+    side_channel_secret: bytes = dataclasses.field(default=b"", repr=False)
     lease_s: float = 30.0
+    # D: a request still queued on D this long gets heartbeats that keep P's lease alive.
+    lease_renew_after_s: float = 0.5
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
     mode: TransferMode = TransferMode.PULL
@@ -66,6 +75,10 @@ class ConnectorConfig:
     staging_chunk_kib: int = 4096  # parse_config: min(4096, staging_pool_kib // 8) unless set
     # P, transfer-id flow: write each layer's blocks to a waiting D as soon as the layer is computed.
     layerwise: bool = True
+
+    @property
+    def bind_host(self) -> str:
+        return self.side_channel_bind_host or self.side_channel_host
 
     def side_channel_port_for_rank(self, rank: int) -> int:
         """Each tensor-parallel worker listens on base port + rank."""
@@ -138,7 +151,11 @@ def _mode(key: str, value: Any) -> TransferMode:
 _CHECKERS = {
     "side_channel_host": _host,
     "side_channel_port": _port,
+    "side_channel_bind_host": _host,
+    "side_channel_max_msg_kib": _positive_int,
+    "side_channel_secret_env": _string,
     "lease_s": _positive_float,
+    "lease_renew_after_s": _positive_float,
     "handshake_timeout_s": _positive_float,
     "transfer_timeout_s": _positive_float,
     "mode": _mode,
@@ -194,4 +211,13 @@ def parse_config(
         )
     if not engine_id:
         raise ConfigError("engine_id must be a non-empty string")
+    if values.get("side_channel_secret_env"):
+        name = values["side_channel_secret_env"]
+        secret = os.environ.get(name, "")
+        if not secret:
+            raise ConfigError(
+                f"kv_connector_extra_config['side_channel_secret_env'] names {name!r}, which is not set "
+                "(or empty) in this process's environment: export the shared secret there on every instance"
+            )
+        values["side_channel_secret"] = secret.encode()
     return ConnectorConfig(engine_id=str(engine_id), role=parse_role(role), **values)

@@ -23,6 +23,10 @@ class IncompatiblePeerError(HandshakeError):
     """The peer's compatibility hash or wire version differs from ours."""
 
 
+class UnauthenticatedPeerError(HandshakeError):
+    """A side-channel message without a valid MAC where a shared secret is configured (or the reverse)."""
+
+
 class SideChannelBindError(KVConnectorError):
     """The side-channel port could not be bound (typically: already in use)."""
 

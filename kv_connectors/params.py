@@ -53,6 +53,13 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+def _port(value: Any) -> int:
+    port = _int("remote_port", value, 1)
+    if port > 65535:
+        raise TransferParamsError(f"kv_transfer_params['remote_port'] must be a port in 1..65535, got {value!r}")
+    return port
+
+
 def _str(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise TransferParamsError(f"kv_transfer_params[{name!r}] must be a non-empty string, got {value!r}")
@@ -81,7 +88,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         remote_engine_id=_str("remote_engine_id", params["remote_engine_id"]),
         remote_request_id=_str("remote_request_id", params["remote_request_id"]),
         remote_host=_str("remote_host", params["remote_host"]),
-        remote_port=_int("remote_port", params["remote_port"], 1),
+        remote_port=_port(params["remote_port"]),
         remote_num_tokens=None if num_tokens is None else _int("remote_num_tokens", num_tokens, 1),
         transfer_id=None if params.get("transfer_id") is None else _str("transfer_id", params["transfer_id"]),
     )
@@ -101,10 +108,30 @@ def _parse_transfer_id_form(params: Mapping[str, Any]) -> RemotePrefill:
         remote_engine_id="" if engine is None else _str("remote_engine_id", engine),
         remote_request_id=transfer_id,
         remote_host=_str("remote_host", params["remote_host"]),
-        remote_port=_int("remote_port", params["remote_port"], 1),
+        remote_port=_port(params["remote_port"]),
         remote_num_tokens=None,
         transfer_id=transfer_id,
     )
+
+
+def release_address(params: Any) -> RemotePrefill | None:
+    """Where to tell P to free its blocks when the params are otherwise bad (block ids, counts):
+    P's side channel and key, if those are usable; None if not (P's lease frees the blocks)."""
+    if not isinstance(params, Mapping):
+        return None
+    key = params.get("remote_request_id", params.get("transfer_id"))
+    try:
+        return RemotePrefill(
+            remote_block_ids=(),
+            remote_engine_id="" if params.get("remote_engine_id") is None
+            else _str("remote_engine_id", params["remote_engine_id"]),
+            remote_request_id=_str("remote_request_id", key),
+            remote_host=_str("remote_host", params.get("remote_host")),
+            remote_port=_port(params.get("remote_port")),
+            remote_num_tokens=None,
+        )
+    except TransferParamsError:
+        return None
 
 
 def producer_transfer_id(params: Mapping[str, Any] | None) -> str | None:

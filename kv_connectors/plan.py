@@ -54,6 +54,15 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
         )
 
 
+def _as_ids(ids: Sequence[int], side: str) -> np.ndarray:
+    """Block ids as int64; ids that are not integers or do not fit (a peer's or a client's) are a
+    TransferParamsError, never an OverflowError escaping into the engine's step."""
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError) as e:
+        raise TransferParamsError(f"{side} block ids must be integers in int64 range: {e}") from e
+
+
 def _check_ids(ids: np.ndarray, layout: KVLayout, side: str) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= layout.num_blocks):
         raise TransferParamsError(
@@ -70,8 +79,8 @@ def plan_transfer(
     both sides are consecutive; order does not matter within one transfer.
     """
     check_compatible(src, dst)
-    s = np.asarray(src_ids, dtype=np.int64)
-    d = np.asarray(dst_ids, dtype=np.int64)
+    s = _as_ids(src_ids, "source")
+    d = _as_ids(dst_ids, "destination")
     if s.shape != d.shape or s.ndim != 1:
         raise TransferParamsError(f"block id lists differ in length: {s.size} source vs {d.size} destination")
     _check_ids(s, src, "source")

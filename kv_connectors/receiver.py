@@ -41,6 +41,7 @@ class _Peer:
     agent_name: str = ""
     layout: KVLayout | None = None
     error: str | None = None
+    epoch: str = ""  # the producer process the cached handshake came from
 
 
 @dataclasses.dataclass
@@ -68,8 +69,10 @@ class Receiver:
         *,
         client: sidechannel.SideChannelClient | None = None,
         clock: Callable[[], float] = time.monotonic,
+        local_metadata: bytes | None = None,
     ) -> None:
         self._cfg = cfg
+        self._local_metadata = transport.local_metadata() if local_metadata is None else local_metadata
         self._rank = rank
         self._client = client or sidechannel.SideChannelClient()
         self._clock = clock
@@ -105,7 +108,7 @@ class Receiver:
             self._rank,
             self._compat,
             agent_name=self._transport.name,
-            agent_metadata=self._transport.local_metadata(),
+            agent_metadata=self._local_metadata,
             layout=wire.LayoutMsg.from_layout(self._layout),
         )
         self._peers[key] = _Peer(self._submit(key, request))
@@ -115,15 +118,22 @@ class Receiver:
         self._resolve_peers()
         now = self._clock()
         for task in self._tasks.values():
-            if task.phase is RecvPhase.HANDSHAKE:
-                self._advance_handshake(task, now)
-            elif task.phase is RecvPhase.REQUESTED:
-                self._advance_request(task, now)
-            elif task.phase is RecvPhase.TRANSFER and task.fenced:
-                self._advance_read(task, now)
-            elif task.phase is RecvPhase.TRANSFER:
-                self._advance_transfer(task, now)
+            try:
+                self._advance(task, now)
+            except Exception as e:  # boundary: a bug or a peer's bad bytes fail this request, never the step
+                logger.exception("request %s: unexpected error", task.request_id)
+                self._fail_transfer(task, KVConnectorError(f"internal error: {type(e).__name__}: {e}"))
         self._send_claims()
+
+    def _advance(self, task: RecvTask, now: float) -> None:
+        if task.phase is RecvPhase.HANDSHAKE:
+            self._advance_handshake(task, now)
+        elif task.phase is RecvPhase.REQUESTED:
+            self._advance_request(task, now)
+        elif task.phase is RecvPhase.TRANSFER and task.fenced:
+            self._advance_read(task, now)
+        elif task.phase is RecvPhase.TRANSFER:
+            self._advance_transfer(task, now)
 
     def on_done_notice(self, request_id: str, error: str, runs: int = 0) -> bool:
         """P's notification that it wrote (or failed to write) a push request's blocks.
@@ -155,7 +165,7 @@ class Receiver:
                         f"{getattr(reply, 'engine_id', '?')}, expected {key[0]}"
                     )
                 self._transport.connect(reply.agent_name, reply.agent_metadata)
-                peer.agent_name, peer.layout = reply.agent_name, reply.layout.to_layout()
+                peer.agent_name, peer.layout, peer.epoch = reply.agent_name, reply.layout.to_layout(), reply.epoch
                 logger.info("connected to producer %s at %s:%d", key[0], key[1], key[2])
             except Exception as e:  # boundary: a failed handshake fails requests, never the step
                 peer.error = str(e)
@@ -242,6 +252,7 @@ class Receiver:
             request = wire.ClaimRequest(
                 self._cfg.engine_id,
                 [wire.ClaimItem(t.remote_request_id, list(t.remote_block_ids)) for t in tasks],
+                epoch=self._peers[key].epoch,
             )
             sent_at = self._clock()
             batch = _ClaimBatch(self._submit(key, request), sent_at, {t.request_id: i for i, t in enumerate(tasks)})
@@ -303,6 +314,9 @@ class Receiver:
             task.claim_retry_at = now + _CLAIM_RETRY_S
         else:
             self.claims_refused += 1
+            peer = self._peers.get(task.peer_key)
+            if peer is not None and reply.epoch != peer.epoch:
+                peer.error = "the producer restarted"  # the next request hand-shakes with the new process
             why = reason if result is not ClaimResult.PENDING else (
                 f"the producer does not hold request {task.remote_request_id} "
                 f"(unknown after {self._cfg.handshake_timeout_s:g} s)")
@@ -340,9 +354,11 @@ class Receiver:
         logger.debug("request %s: %d bytes in %.6f s", task.request_id, task.num_bytes, elapsed)
 
     def _fail_transfer(self, task: RecvTask, error: Exception) -> None:
-        if task.handle is not None:
+        if isinstance(task.handle, concurrent.futures.Future):
+            task.handle.cancel()
+        elif task.handle is not None:
             self._transport.release(task.handle)
-            task.handle = None
+        task.handle = None
         task.claim = None
         peer = self._peers.get(task.peer_key)
         if isinstance(error, PeerDisconnectedError) and peer is not None:

@@ -17,16 +17,17 @@ from typing import Any
 
 from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
-from kv_connectors.errors import KVConnectorError
+from kv_connectors.errors import KVConnectorError, TransferParamsError
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import plan_transfer
-from kv_connectors.state import SendLeases
+from kv_connectors.state import ClaimResult, SendLeases
 from kv_connectors.transport import Transport, XferState
 
 logger = logging.getLogger(__name__)
 
 # How long a cancelled transfer id is remembered, for a D push request that arrives late.
 _CANCEL_TTL_S = 600.0
+_MAX_CLAIM_ITEMS = 65536  # requests in one claim (D batches those ready in one step)
 
 
 @dataclasses.dataclass
@@ -63,9 +64,11 @@ class Sender:
         layer_regions: Mapping[str, Sequence[int]] | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        epoch: str = "",
     ) -> None:
         self._cfg = cfg
         self._clock = clock
+        self.epoch = epoch
         self._transport = transport
         self._layout = layout
         self._hash = compat.hash()
@@ -87,6 +90,9 @@ class Sender:
             self._inbox.put(request)
 
     def on_push(self, request: wire.PushRequest) -> wire.PushAck:
+        if len(request.block_ids) > self._layout.num_blocks:  # no request of ours holds that many
+            return wire.PushAck(False, f"{len(request.block_ids)} blocks asked; this instance has "
+                                       f"{self._layout.num_blocks}")
         self._inbox.put(request)
         return wire.PushAck(True)
 
@@ -95,11 +101,19 @@ class Sender:
         refuse those that already ended (their blocks may hold other prompts' KV by now)."""
         now = self._clock()
         hold_s = self._cfg.transfer_timeout_s
+        if len(request.items) > _MAX_CLAIM_ITEMS or any(len(i.block_ids) > self._layout.num_blocks
+                                                       for i in request.items):
+            raise TransferParamsError(f"claim of {len(request.items)} requests is larger than any this "
+                                      f"instance ({self._layout.num_blocks} blocks) can hold")
+        if request.epoch and request.epoch != self.epoch:  # D hand-shook with an earlier process here
+            why = "the producer restarted since the handshake"
+            n = len(request.items)
+            return wire.ClaimReply([ClaimResult.GONE.value] * n, [why] * n, hold_s, self.epoch)
         claims = [
             self.leases.claim(item.key, request.consumer_engine_id, tuple(item.block_ids), now, hold_s)
             for item in request.items
         ]
-        return wire.ClaimReply([c.result.value for c in claims], [c.reason for c in claims], hold_s)
+        return wire.ClaimReply([c.result.value for c in claims], [c.reason for c in claims], hold_s, self.epoch)
 
     def on_renew(self, request: wire.RenewRequest) -> wire.RenewReply:
         """Heartbeat (side-channel thread): D's requests still queued; extend their leases."""
@@ -140,16 +154,27 @@ class Sender:
         self._drain_inbox(now)
         for key in list(self._waiting):
             write = self._waiting[key]
-            if self.leases.block_ids(key) is not None:
-                del self._waiting[key]
-                self._post(key, write)
-            elif now > write.deadline:
-                del self._waiting[key]
-                self._finish(write, f"prefill request {key} is unknown here or its blocks were already freed")
+            try:
+                self._advance_waiting(key, write, now)
+            except Exception as e:  # boundary: a bug or a peer's bad request fails that push, never the step
+                logger.exception("push of %s: unexpected error", key)
+                self._waiting.pop(key, None)
+                self._finish(write, f"internal error: {type(e).__name__}: {e}")
         for key in list(self._writing):
             self._poll(key, self._writing[key], now)
         for key in [k for k, (_r, t) in self._cancelled.items() if now - t > _CANCEL_TTL_S]:
             del self._cancelled[key]
+
+    def _advance_waiting(self, key: str, write: _Write, now: float) -> None:
+        if self.leases.block_ids(key) is not None:
+            del self._waiting[key]
+            self._post(key, write)
+        elif (why := self.leases.gone(key)) is not None:
+            del self._waiting[key]  # its lease already ended: fail D now, not at its deadline
+            self._finish(write, f"prefill request {key}'s blocks were already freed ({why})")
+        elif now > write.deadline:
+            del self._waiting[key]
+            self._finish(write, f"prefill request {key} is unknown here or its blocks were already freed")
 
     def _drain_inbox(self, now: float) -> None:
         while True:
@@ -200,7 +225,7 @@ class Sender:
             notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs),
                                 self._hash)
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
-        except KVConnectorError as e:
+        except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             self._finish(write, f"write failed: {e}")
             self.leases.notice(key, self._clock())
             return
@@ -264,7 +289,7 @@ class Sender:
             )
             write.runs += plan.num_runs
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, b""))
-        except KVConnectorError as e:
+        except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             write.error = f"layer-wise write failed: {e}"
             write.regions_left.clear()
 

@@ -10,13 +10,22 @@ from collections.abc import Callable
 import zmq
 
 from kv_connectors import wire
-from kv_connectors.errors import HandshakeError, IncompatiblePeerError, KVConnectorError, SideChannelBindError
+from kv_connectors.errors import (
+    HandshakeError,
+    IncompatiblePeerError,
+    KVConnectorError,
+    SideChannelBindError,
+    UnauthenticatedPeerError,
+)
+from kv_connectors.logutil import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+_limited = RateLimitedLog(logger)
 
 Handler = Callable[[wire.Body], wire.Body]
 
 _POLL_MS = 100
+DEFAULT_MAX_MSG_BYTES = 16 * 1024 * 1024  # far above any legitimate message (handshakes are KiBs)
 
 
 def endpoint(host: str, port: int) -> str:
@@ -30,12 +39,23 @@ class SideChannelServer:
     Binding happens in the constructor so that a port in use fails start-up at once.
     """
 
-    def __init__(self, host: str, port: int, compat_hash: str, handler: Handler) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        compat_hash: str,
+        handler: Handler,
+        max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
+        secret: bytes | None = None,
+    ) -> None:
         self.compat_hash = compat_hash  # may be set later, before the owner answers handshakes
         self._handler = handler
+        self._secret = secret or None
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A larger frame is dropped by zmq before it is read: it never stalls this one thread.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)
         self.address = endpoint(host, port)
@@ -54,20 +74,29 @@ class SideChannelServer:
         self._thread.start()
         logger.info("side channel listening on %s", self.address)
 
-    def _answer(self, frame: bytes) -> bytes:
+    def _answer(self, data: bytes) -> bytes:
         try:
+            try:
+                frame = wire.unseal(data, self._secret)
+            except UnauthenticatedPeerError:
+                if not wire.is_stats_request(data):  # monitoring may read counters without the secret
+                    raise
+                frame = data
             # Every request but a handshake (compared field by field by the handler) and stats
             # must carry our compatibility hash: a peer that never hand-shook cannot claim or push.
             body = wire.decode(frame, expected_hash=self.compat_hash, unchecked=wire.SERVER_UNCHECKED)
             reply = self._handler(body)
+        except UnauthenticatedPeerError as e:
+            _limited.warning("auth", "side channel: refused a message: %s", e)
+            return wire.encode(wire.ErrorReply("unauthenticated", str(e)), self.compat_hash)
         except IncompatiblePeerError as e:
             reply = wire.ErrorReply("incompatible", str(e))
         except KVConnectorError as e:
             reply = wire.ErrorReply("bad_request", str(e))
         except Exception as e:  # a bug must not kill the listener thread (vLLM's built-in hangs then)
-            logger.exception("side channel handler failed")
+            _limited.exception("handler", "side channel handler failed")
             reply = wire.ErrorReply("internal", f"{type(e).__name__}: {e}")
-        return wire.encode(reply, self.compat_hash)
+        return wire.seal(wire.encode(reply, self.compat_hash), self._secret)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -81,9 +110,9 @@ class SideChannelServer:
             except zmq.ZMQError:
                 if self._stop.is_set():
                     break
-                logger.exception("side channel socket error")
+                _limited.exception("socket", "side channel socket error")
             except ValueError:
-                logger.warning("side channel: dropped a request with unexpected framing")
+                _limited.warning("framing", "side channel: dropped a request with unexpected framing")
         self._sock.close(0)
 
     def close(self) -> None:
@@ -92,7 +121,9 @@ class SideChannelServer:
         self._ctx.term()
 
 
-def request(host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float) -> wire.Body:
+def request(
+    host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float, secret: bytes | None = None
+) -> wire.Body:
     """One request/reply with a deadline; ErrorReply answers become typed errors."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
@@ -100,10 +131,10 @@ def request(host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: 
     address = endpoint(host, port)
     try:
         sock.connect(address)
-        sock.send(wire.encode(body, compat_hash))
+        sock.send(wire.seal(wire.encode(body, compat_hash), secret))
         if not sock.poll(int(timeout_s * 1000)):
             raise HandshakeError(f"no answer from side channel {address} within {timeout_s:g} s (peer down?)")
-        reply = wire.decode(sock.recv(), expected_hash=compat_hash if compat_hash else None)
+        reply = _reply(sock.recv(), body, compat_hash, secret, address)
     except zmq.ZMQError as e:
         raise HandshakeError(f"side channel {address}: {e.strerror}") from e
     finally:
@@ -111,6 +142,8 @@ def request(host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: 
     if isinstance(reply, wire.ErrorReply):
         if reply.code == "incompatible":
             raise IncompatiblePeerError(f"incompatible peer (server) at {address}: {reply.message}")
+        if reply.code == "unauthenticated":
+            raise UnauthenticatedPeerError(f"peer at {address} refused our message: {reply.message}")
         raise HandshakeError(f"peer at {address} refused: {reply.message}")
     return reply
 
@@ -119,8 +152,9 @@ class SideChannelClient:
     """Side-channel requests run off the engine thread: one thread per peer address, so that a
     frozen peer delays only its own requests; beyond max_peers addresses the rest share one."""
 
-    def __init__(self, max_peers: int = 256) -> None:
+    def __init__(self, max_peers: int = 256, secret: bytes | None = None) -> None:
         self._max_peers = max_peers
+        self._secret = secret or None
         self._pools: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
         self._shared = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sidechannel")
 
@@ -135,11 +169,26 @@ class SideChannelClient:
                 pool = self._pools[(host, port)] = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix=f"kvc-sc-{port}"
                 )
-        return pool.submit(request, host, port, body, compat_hash, timeout_s)
+        return pool.submit(request, host, port, body, compat_hash, timeout_s, self._secret)
 
     def close(self) -> None:
         for pool in [*self._pools.values(), self._shared]:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _reply(data: bytes, body: wire.Body, compat_hash: str, secret: bytes | None, address: str) -> wire.Body:
+    """Decode an answer; a server refusing our authentication answers unsealed, and says why."""
+    expected = compat_hash if compat_hash else None
+    try:
+        return wire.decode(wire.unseal(data, secret), expected_hash=expected)
+    except UnauthenticatedPeerError:
+        if not data.startswith(wire.MAC_MAGIC):
+            refusal = wire.decode(data, expected_hash=None)
+            if isinstance(refusal, wire.ErrorReply) and refusal.code == "unauthenticated":
+                raise UnauthenticatedPeerError(f"peer at {address} refused our message: {refusal.message}") from None
+        elif isinstance(body, wire.StatsRequest):  # counters from a server with a secret: monitoring
+            return wire.decode(data[len(wire.MAC_MAGIC) + wire.MAC_LEN :], expected_hash=None)
+        raise
 
 
 def query_stats(host: str, port: int, timeout_s: float = 5.0) -> wire.StatsReply:

@@ -49,3 +49,7 @@ class StepMetadata:
     reqs_layerwise: dict[str, SendSpec] = dataclasses.field(default_factory=dict)
     # P: transfer ids whose prefill ended without KV to send (aborted): D is told at once.
     transfers_cancelled: dict[str, str] = dataclasses.field(default_factory=dict)
+    # D: requests queued long enough that P's lease needs heartbeats: request id -> (P's
+    # side-channel key, the key P holds the blocks under); and those that left the queue.
+    renew_start: dict[str, tuple[tuple[str, str, int], str]] = dataclasses.field(default_factory=dict)
+    renew_stop: set[str] = dataclasses.field(default_factory=set)

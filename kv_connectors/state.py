@@ -107,6 +107,11 @@ class SendLeases:
             self.claims_granted += 1
             return Claim(ClaimResult.GRANTED)
 
+    def gone(self, key: str) -> str | None:
+        """Why the lease under key ended, if it did (and is still remembered)."""
+        with self._lock:
+            return self._gone.get(key)
+
     def renew(self, key: str, now: float, lease_s: float) -> bool:
         """A consumer still wants the blocks (its request waits in its queue): extend the lease."""
         with self._lock:
@@ -134,6 +139,8 @@ class SendLeases:
                 self.completed += 1
             elif key not in self._finished_keys and key not in self._gone:
                 self._early[key] = now
+                while len(self._early) > self._gone_cap:  # bounded: keys come from peers
+                    del self._early[next(iter(self._early))]
 
     def _end(self, key: str, why: str) -> None:
         self._gone[key] = why

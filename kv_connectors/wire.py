@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 import msgspec
 
-from kv_connectors.errors import HandshakeError, IncompatiblePeerError
+from kv_connectors.errors import HandshakeError, IncompatiblePeerError, UnauthenticatedPeerError
 from kv_connectors.layout import KVLayout, Region
 
 WIRE_VERSION = 1
+_MAX_ADDRESS = 2**63  # planned addresses are int64
 
 
 class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +70,16 @@ class LayoutMsg(msgspec.Struct, frozen=True):
         )
 
     def to_layout(self) -> KVLayout:
+        """The peer's layout, checked: addresses a peer advertises are used to plan transfers."""
+        if self.num_blocks < 1 or self.block_size < 1 or not self.regions:
+            raise HandshakeError(f"peer advertised an empty KV layout ({self.num_blocks} blocks, "
+                                 f"{len(self.regions)} regions)")
+        for r in self.regions:
+            if r.base < 0 or r.seg_len < 1 or r.block_stride < r.seg_len or (
+                r.base + (self.num_blocks - 1) * r.block_stride + r.seg_len >= _MAX_ADDRESS
+            ):
+                raise HandshakeError(f"peer advertised an invalid KV region (base {r.base}, stride "
+                                     f"{r.block_stride}, segment {r.seg_len}, {self.num_blocks} blocks)")
         regions = tuple(Region(r.base, r.block_stride, r.seg_len, self.num_blocks) for r in self.regions)
         return KVLayout(self.num_blocks, self.block_size, regions)
 
@@ -88,6 +100,7 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
     agent_name: str
     agent_metadata: bytes
     layout: LayoutMsg
+    epoch: str = ""  # new for every start of the producer: a restarted peer is a new peer
 
 
 class StatsRequest(msgspec.Struct, frozen=True, tag="stats"):
@@ -112,6 +125,10 @@ class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply"):
     staging_pool_bytes: int = 0  # configured bound (0: no staging)
     staging_peak_bytes: int = 0  # most pool bytes ever in use at once
     staging_allocated_bytes: int = 0  # what the pool actually allocated
+    claims_granted: int = 0  # P: reads of its blocks it confirmed under a live lease
+    claims_refused: int = 0  # P: reads it refused (lease expired or released, or foreign blocks)
+    stale_reads_refused: int = 0  # D: loads failed because P refused the claim (never served stale)
+    lease_renewals: int = 0  # D: P's leases kept alive for requests queued on D
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
@@ -145,12 +162,14 @@ class ClaimRequest(msgspec.Struct, frozen=True, tag="claim"):
 
     consumer_engine_id: str
     items: list[ClaimItem]
+    epoch: str = ""  # the producer's epoch from the handshake D's read descriptors came from
 
 
 class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
     results: list[str]  # state.ClaimResult values, one per item, in order
     reasons: list[str]
     hold_s: float  # how long from P's receipt a granted claim holds the blocks
+    epoch: str = ""  # the producer's: differs from the handshake's when it restarted since
 
 
 class RenewRequest(msgspec.Struct, frozen=True, tag="renew"):
@@ -193,6 +212,47 @@ SERVER_UNCHECKED = UNCHECKED | {"handshake"}
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(tuple[Header, msgspec.Raw])
 _body_decoder = msgspec.msgpack.Decoder(Body)
+
+
+MAC_MAGIC = b"KVCMAC1\x00"  # a sealed frame: magic, HMAC-SHA256 of the frame, the frame
+MAC_LEN = 32
+
+
+def seal(frame: bytes, secret: bytes | None) -> bytes:
+    """Authenticate a side-channel frame with the shared secret (no-op without one).
+
+    Integrity and origin only: frames are not encrypted, and a captured frame can be replayed
+    (each one is idempotent or refused the second time); isolate the network for confidentiality."""
+    if not secret:
+        return frame
+    return MAC_MAGIC + hmac.new(secret, frame, hashlib.sha256).digest() + frame
+
+
+def unseal(data: bytes, secret: bytes | None) -> bytes:
+    """The frame inside a sealed message, checked; UnauthenticatedPeerError if it is not ours."""
+    sealed = data.startswith(MAC_MAGIC)
+    if not secret:
+        if sealed:
+            raise UnauthenticatedPeerError(
+                "peer authenticates its side-channel messages with a shared secret and we have none: "
+                "set side_channel_secret_env on both sides to a variable holding the same secret"
+            )
+        return data
+    if not sealed:
+        raise UnauthenticatedPeerError("unauthenticated side-channel message (no MAC; is the peer's secret set?)")
+    mac, frame = data[len(MAC_MAGIC) : len(MAC_MAGIC) + MAC_LEN], data[len(MAC_MAGIC) + MAC_LEN :]
+    if not hmac.compare_digest(mac, hmac.new(secret, frame, hashlib.sha256).digest()):
+        raise UnauthenticatedPeerError("side-channel message with a wrong MAC (the peer has another secret)")
+    return frame
+
+
+def is_stats_request(frame: bytes) -> bool:
+    """An unsealed stats query (monitoring tools without the secret may read counters)."""
+    try:
+        header, _raw = _header_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return header.kind == "stats"
 
 
 def encode(body: Body, compat_hash: str) -> bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -17,14 +18,17 @@ from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, Staging
 from kv_connectors.errors import KVConnectorError, TransportError
 from kv_connectors.layout import KVLayout
+from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.receiver import RELEASE_PREFIX, Receiver
+from kv_connectors.renewer import Renewer
 from kv_connectors.sender import Sender
-from kv_connectors.state import RecvTask
-from kv_connectors.staging import StagedTransport
 from kv_connectors.specs import StepMetadata
+from kv_connectors.staging import StagedTransport
+from kv_connectors.state import RecvTask
 from kv_connectors.transport import MemoryKind, Transport
 
 logger = logging.getLogger(__name__)
+_limited = RateLimitedLog(logger)
 
 TransportFactory = Callable[[str], Transport]
 
@@ -35,7 +39,8 @@ class Server(Protocol):
     def close(self) -> None: ...
 
 
-ServerFactory = Callable[[str, int, str, Callable[[wire.Body], wire.Body]], Server]
+# (bind host, port, compat hash, handler, max message bytes, shared secret) -> a listening server
+ServerFactory = Callable[[str, int, str, Callable[[wire.Body], wire.Body], int, bytes | None], Server]
 
 
 class WorkerEngine:
@@ -55,8 +60,11 @@ class WorkerEngine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg
+        self.epoch = uuid.uuid4().hex[:16]  # this start of the engine: peers tell restarts apart by it
         self._serve = serve
-        self._client = client if client is not None else sidechannel.SideChannelClient()
+        self._client = client if client is not None else sidechannel.SideChannelClient(
+            secret=cfg.side_channel_secret
+        )
         self._clock = clock
         self._transport_label = transport_label
         self._rank = rank
@@ -67,7 +75,9 @@ class WorkerEngine:
         self._server: sidechannel.SideChannelServer | None = None
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
+        self._renewer: Renewer | None = None
         self._stats = wire.StatsReply(cfg.engine_id, 0, 0, 0, 0)
+        self._local_metadata = b""
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
         self._staging: StagedTransport | None = None
 
@@ -82,10 +92,12 @@ class WorkerEngine:
     ) -> None:
         # Bind first: a port in use must fail start-up before anything else is built.
         server = self._serve(
-            self._cfg.side_channel_host,
+            self._cfg.bind_host,
             self._cfg.side_channel_port_for_rank(self._rank),
             compat.hash(),
             self._handle,
+            self._cfg.side_channel_max_msg_kib * 1024,
+            self._cfg.side_channel_secret or None,
         )
         try:
             transport = self._registered_transport(layout, kind, device_id)
@@ -97,12 +109,20 @@ class WorkerEngine:
         compat = msgspec.structs.replace(compat, transport=kind_of_transfer)
         server.compat_hash = compat.hash()
         self._layout, self._compat, self._transport = layout, compat, transport
+        # Fixed once the memory is registered; read here so that the side-channel thread never calls
+        # into the engine (NIXL agents are not thread-safe, and a long post on the engine thread
+        # would stall every handshake behind the engine's lock).
+        self._local_metadata = transport.local_metadata()
         self._receiver = Receiver(
-            self._cfg, self._rank, transport, layout, compat, client=self._client, clock=self._clock
+            self._cfg, self._rank, transport, layout, compat, client=self._client, clock=self._clock,
+            local_metadata=self._local_metadata,
         )
         # Layer-wise push writes straight from the KV cache: not through a staging pool.
         layers = layer_regions if self._staging is None and self._cfg.layerwise else None
-        self._sender = Sender(self._cfg, transport, layout, compat, layers, clock=self._clock)
+        self._sender = Sender(self._cfg, transport, layout, compat, layers, clock=self._clock, epoch=self.epoch)
+        self._renewer = Renewer(
+            self._cfg.engine_id, compat.hash(), self._client, self._cfg.handshake_timeout_s, self._clock
+        )
         self._server = server  # last: the handler answers only once everything above exists
         logger.info(
             "KV cache registered: %d blocks x %d bytes in %d regions, compat hash %s",
@@ -168,8 +188,9 @@ class WorkerEngine:
         return wire.HandshakeReply(
             engine_id=self._cfg.engine_id,
             agent_name=self._transport.name,
-            agent_metadata=self._transport.local_metadata(),
+            agent_metadata=self._local_metadata,
             layout=wire.LayoutMsg.from_layout(self._layout),
+            epoch=self.epoch,
         )
 
     # per step ---------------------------------------------------------------------------------
@@ -187,6 +208,11 @@ class WorkerEngine:
             self._sender.cancel(key, reason)
         # D's request may have come since before_forward: push right after this forward pass then.
         self._sender.begin_layerwise(meta.reqs_layerwise)
+        assert self._renewer is not None
+        for rid, (peer, key) in meta.renew_start.items():
+            self._renewer.start(rid, peer, key)
+        for rid in meta.renew_stop:
+            self._renewer.stop(rid)
         now = self._clock()
         deadline = now + self._cfg.handshake_timeout_s + self._cfg.transfer_timeout_s
         for rid, spec in meta.reqs_to_recv.items():
@@ -214,7 +240,7 @@ class WorkerEngine:
             try:
                 body = wire.decode(msg, self._compat.hash() if self._compat else None)
             except KVConnectorError as e:
-                logger.warning("dropped a bad notification: %s", e)
+                _limited.warning("notif", "dropped a bad notification: %s", e)
                 continue
             if not isinstance(body, wire.TransferDone):
                 continue
@@ -222,6 +248,8 @@ class WorkerEngine:
                 self._notices.append(body)
         self._receiver.progress()
         self._sender.progress()
+        if self._renewer is not None:
+            self._renewer.progress()
 
     def before_forward(self, meta: StepMetadata) -> None:
         """Layer-wise pushes for prefills the coming forward pass completes, where D already asked."""
@@ -278,6 +306,10 @@ class WorkerEngine:
             pushes=self._sender.pushes,
             layerwise_pushes=self._sender.layerwise_pushes,
             push_failures=self._sender.push_failures,
+            claims_granted=leases.claims_granted,
+            claims_refused=leases.claims_refused,
+            stale_reads_refused=self._receiver.claims_refused,
+            lease_renewals=self._renewer.renewals if self._renewer is not None else 0,
             **self._staging_stats(),
         )
 

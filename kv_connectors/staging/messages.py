@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 import numpy as np
 
@@ -82,7 +80,7 @@ class User(Msg, tag=9):  # a user notification that itself starts with MSG_MAGIC
 
 
 ENC = msgspec.msgpack.Encoder()
-DEC = msgspec.msgpack.Decoder(list[Union[Stage, Ready, Free, Want, Slot, Scatter, Scattered, Error, User]])
+DEC = msgspec.msgpack.Decoder(list[Stage | Ready | Free | Want | Slot | Scatter | Scattered | Error | User])
 
 
 def pack_runs(addr: np.ndarray, length: np.ndarray) -> bytes:

@@ -17,6 +17,7 @@ from kv_connectors.layout import KVLayout, Region
 from kv_connectors.plan import TransferPlan
 from kv_connectors.staging.chunks import Chunks, chunk_plan, one_run
 from kv_connectors.staging.copier import Copier, CudaCopier, HostCopier
+from kv_connectors.staging.initiator import Chunk, Initiator
 from kv_connectors.staging.messages import (
     DEC,
     ENC,
@@ -37,7 +38,6 @@ from kv_connectors.staging.messages import (
     error_kind,
     user_bytes,
 )
-from kv_connectors.staging.initiator import Chunk, Initiator
 from kv_connectors.staging.responder import Responder, Serve
 from kv_connectors.transport import MemoryKind, Transport, XferState
 

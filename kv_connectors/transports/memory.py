@@ -44,7 +44,11 @@ class MemoryFabric:
         self.requests: list[wire.Body] = []  # every side-channel request, in order (tests count them)
 
     # side channel -------------------------------------------------------------------------------
-    def serve(self, host: str, port: int, compat_hash: str, handler: Handler) -> MemoryServer:
+    def serve(
+        self, host: str, port: int, compat_hash: str, handler: Handler, max_msg_bytes: int = 0,
+        secret: bytes | None = None,
+    ) -> MemoryServer:
+        """max_msg_bytes and secret are the zmq server's business; the fabric ignores them."""
         if (host, port) in self.servers:
             raise SideChannelBindError(f"side channel {host}:{port} is in use")
         server = MemoryServer(self, host, port, compat_hash, handler)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -10,6 +12,7 @@ import torch
 from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
 from kv_connectors.layout import TensorInfo, build_layout, layer_regions
+from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.transport import MemoryKind, Transport
 from kv_connectors.vllm import compat
 from kv_connectors.vllm.metadata import ConnectorMetadata
@@ -19,6 +22,40 @@ from kv_connectors.vllm.worker import WorkerSide
 from kv_connectors.wire import CompatInfo
 
 logger = logging.getLogger(__name__)
+_limited = RateLimitedLog(logger)
+
+
+def _in_forward_step(default: Callable[[], Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """No exception leaves a hook vLLM calls in its forward step (the worker process would die and
+    the instance stop serving). The engine fails the affected requests itself; this is the last
+    line: log (rate-limited) and carry on with `default()`."""
+
+    def wrap(hook: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(hook)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return hook(self, *args, **kwargs)
+            except Exception:
+                _limited.exception(hook.__name__, "KV connector hook %s failed", hook.__name__)
+                return default()
+
+        return guarded
+
+    return wrap
+
+
+def check_parallelism(parallel_config: Any, connector: str) -> None:
+    """Tensor and pipeline parallelism are refused at start-up: a rank > 0 would read another
+    rank's heads (TP) or layers (PP), and answer with wrong tokens. Refused, never served wrong."""
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if tp > 1 or pp > 1:
+        raise ConfigError(
+            f"{connector} supports tensor_parallel_size 1 and pipeline_parallel_size 1 only (this instance: "
+            f"{tp} and {pp}): with more ranks each would need its own slice of the peer's KV cache, which is "
+            "not implemented yet. Run prefill and decode instances with --tensor-parallel-size 1 "
+            "--pipeline-parallel-size 1"
+        )
 
 
 def tensor_info(name: str, t: torch.Tensor) -> TensorInfo:
@@ -33,6 +70,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     _cache_hit_source = compat.P2P_HIT_SOURCE or compat.KVConnectorBase_V1._cache_hit_source
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        check_parallelism(vllm_config.parallel_config, type(self).__name__)
         super().__init__(vllm_config, role, kv_cache_config)
         compat.share_vllm_logging()
         kvt = vllm_config.kv_transfer_config
@@ -93,8 +131,13 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         moment to set up layer-wise pushes whose layers the coming forward pass computes."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, ConnectorMetadata):
-            self._worker.before_forward(connector_metadata)
+            self._before_forward(connector_metadata)
 
+    @_in_forward_step(lambda: None)
+    def _before_forward(self, meta: ConnectorMetadata) -> None:
+        self.worker_side.before_forward(meta)
+
+    @_in_forward_step(lambda: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata if isinstance(self._connector_metadata, ConnectorMetadata) else None
         self.worker_side.start_load(meta)
@@ -102,18 +145,22 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete between steps (asynchronous), never inside the forward pass
 
+    @_in_forward_step(lambda: None)
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Layer-wise push: a waiting D gets this layer's blocks now (transfer-id flow only)."""
         self.worker_side.on_layer_saved(layer_name)
 
+    @_in_forward_step(lambda: None)
     def wait_for_save(self) -> None:
         """Never blocks: layer-wise writes complete between steps like every other transfer."""
         self.worker_side.end_of_forward()
 
+    @_in_forward_step(lambda: compat.transfer_results(set(), set(), set()))
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         sending, recving, failed = self.worker_side.take_results()
         return compat.transfer_results(sending, recving, failed)
 
+    @_in_forward_step(lambda: (None, None))
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _failed = self.worker_side.take_results()
         return sending or None, recving or None
@@ -142,6 +189,9 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     # scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_side.on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)

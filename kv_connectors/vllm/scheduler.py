@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kv_connectors.config import ConnectorConfig
@@ -13,6 +15,7 @@ from kv_connectors.params import (
     parse_remote_prefill,
     producer_params,
     producer_transfer_id,
+    release_address,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -34,8 +37,11 @@ class _Parsed:
 class SchedulerSide:
     """Runs in the EngineCore process; never blocks and never raises for a single bad request."""
 
-    def __init__(self, cfg: ConnectorConfig, block_size: int, rank_port: int) -> None:
+    def __init__(
+        self, cfg: ConnectorConfig, block_size: int, rank_port: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._cfg = cfg
+        self._clock = clock
         self._block_size = block_size
         self._port = rank_port
         # Parsed params (or the reason they are bad) of requests that asked for a remote prefill.
@@ -44,7 +50,37 @@ class SchedulerSide:
         # P: requests sent with a transfer id (D may be waiting already) -> that id.
         self._transfer_ids: dict[str, str] = {}
         self._layerwise: set[str] = set()  # P: requests whose layers the worker may be writing
+        # D: requests waiting in D's queue -> (arrival, P's side channel, P's key), in arrival order;
+        # past lease_renew_after_s they move to _renewing and the worker keeps P's lease alive.
+        self._queued: dict[str, tuple[float, tuple[str, str, int], str]] = {}
+        self._renewing: set[str] = set()
         self._meta = ConnectorMetadata()
+
+    def on_new_request(self, request: Any) -> None:
+        """D: a request arrived; while it waits in D's queue, P's lease must not run out."""
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        try:
+            rp = parse_remote_prefill(params)
+        except TransferParamsError:
+            return  # failed (and P told) when the scheduler looks at it
+        self._queued[request.request_id] = (self._clock(), rp.peer_key, rp.remote_request_id)
+
+    def _left_queue(self, rid: str) -> None:
+        self._queued.pop(rid, None)
+        if rid in self._renewing:
+            self._renewing.discard(rid)
+            self._meta.renew_stop.add(rid)
+
+    def _start_renewals(self) -> None:
+        cutoff = self._clock() - self._cfg.lease_renew_after_s
+        for rid, (arrived, peer, key) in list(self._queued.items()):
+            if arrived > cutoff:
+                break  # arrival order: the rest are younger
+            del self._queued[rid]
+            self._renewing.add(rid)
+            self._meta.renew_start[rid] = (peer, key)
 
     # D side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -76,7 +112,7 @@ class SchedulerSide:
             rp = parse_remote_prefill(params)
         except TransferParamsError as e:
             logger.debug("request %s: %s", request.request_id, e)
-            return _Parsed(None, e)
+            return _Parsed(release_address(params), e)  # P can still be told to free its blocks
         num_prompt = len(request.prompt_token_ids or ())
         needed = blocks_for_tokens(num_prompt, self._block_size)
         error = None
@@ -97,6 +133,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
+        self._left_queue(rid)
         parsed = self._pending.pop(rid, None)
         if parsed is None:
             return
@@ -127,6 +164,8 @@ class SchedulerSide:
 
     # P side and both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
+        if self._queued:
+            self._start_renewals()
         if self._cfg.layerwise and self._transfer_ids:
             self._mark_layerwise(scheduler_output)
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -147,6 +186,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._left_queue(rid)
         consumed = rid in self._consumed
         self._consumed.discard(rid)
         transfer_id = self._transfer_ids.pop(rid, None)

@@ -21,6 +21,10 @@ COUNTERS: dict[str, str] = {
     "layerwise_pushes": "Pushes written layer by layer during the prefill's forward pass.",
     "completed_sends": "Requests whose blocks a decode instance was done with (freed on notice).",
     "expired_leases": "Requests whose blocks were freed because no decode instance came for them.",
+    "claims_granted": "Reads of this (prefill) instance's blocks confirmed under a live lease.",
+    "claims_refused": "Reads of this (prefill) instance's blocks refused: lease ended, or blocks not held.",
+    "stale_reads_refused": "KV loads this (decode) instance failed because the prefill side refused the claim.",
+    "lease_renewals": "Prefill leases this (decode) instance kept alive for requests waiting in its queue.",
 }
 # Point-in-time values: the latest one wins.
 GAUGES: dict[str, str] = {
@@ -28,6 +32,7 @@ GAUGES: dict[str, str] = {
     "held_blocks": "KV blocks this (prefill) instance holds for decode instances.",
     "staging_pool_bytes": "Configured size of the CPU staging pool (0: no staging).",
     "staging_peak_bytes": "Most staging-pool bytes in use at once.",
+    "staging_allocated_bytes": "Staging-pool bytes actually allocated.",
 }
 DURATIONS = "transfer_seconds"
 

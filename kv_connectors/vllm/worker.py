@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kv_connectors.worker import WorkerEngine
 from kv_connectors.vllm.stats import IntervalStats, KvcStats
+from kv_connectors.worker import WorkerEngine
 
 
 class WorkerSide(WorkerEngine):

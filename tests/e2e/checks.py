@@ -6,7 +6,14 @@ import concurrent.futures
 import time
 
 from kv_connectors.testing.cluster import (
-    generate, make_prompts, metric, output_ids, prefill, stats, transfer_id_params, wait_until,
+    generate,
+    make_prompts,
+    metric,
+    output_ids,
+    prefill,
+    stats,
+    transfer_id_params,
+    wait_until,
 )
 from tests.e2e.conftest import MAX_MODEL_LEN
 

@@ -13,6 +13,7 @@ from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd
 from kv_connectors.testing.tiny_model import build_tiny_model
 from tests.e2e.conftest import MAX_MODEL_LEN
 
+
 @pytest.fixture(scope="module")
 def scratch_prefill(tiny_model):
     """A P for requests that go wrong, with a short lease, so the main P stays clean."""
@@ -135,3 +136,20 @@ def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
         assert time.monotonic() - t0 < DEADLINE_S
         assert got == output_ids(generate(reference.url, PROMPT, 8))
         assert stats(server).recv_failures == 1
+
+
+def test_tensor_parallel_instance_is_refused_at_start_up(tiny_model):
+    """TP 2 would have each rank load the peer's rank-0 heads (wrong tokens with HTTP 200): refused."""
+    server = pd_server(tiny_model, "kv_consumer", name="D-tp2", max_model_len=MAX_MODEL_LEN,
+                       multiprocessing=True, cpu_bind="0|1")
+    server.argv += ["--tensor-parallel-size", "2"]
+    server.start()
+    try:
+        deadline = time.monotonic() + 240
+        while server.is_running() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not server.is_running(), "a TP 2 instance with our connector kept running"
+        log = server.log_tail(300)
+        assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in log, log[-2000:]
+    finally:
+        server.stop()

@@ -7,12 +7,20 @@ from collections.abc import Iterator
 import pytest
 
 from kv_connectors.testing.cluster import (
-    MOONCAKE_ENTRY_POINT_FORM, MOONCAKE_MODULE_FORM, ProxyProcess, pd_server, stats,
+    MOONCAKE_ENTRY_POINT_FORM,
+    MOONCAKE_MODULE_FORM,
+    ProxyProcess,
+    pd_server,
+    stats,
 )
 from kv_connectors.testing.procs import VllmServer
 from tests.e2e.checks import (
-    PROMPTS, assert_dead_producer_fails_fast, assert_foreign_kv_changes_output, assert_pd_matches_colocated,
-    assert_transfer_id_flow_matches, fresh_prompts,
+    PROMPTS,
+    assert_dead_producer_fails_fast,
+    assert_foreign_kv_changes_output,
+    assert_pd_matches_colocated,
+    assert_transfer_id_flow_matches,
+    fresh_prompts,
 )
 from tests.e2e.conftest import MAX_MODEL_LEN
 

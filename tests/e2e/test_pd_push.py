@@ -9,7 +9,14 @@ from collections.abc import Iterator
 import pytest
 
 from kv_connectors.testing.cluster import (
-    ENTRY_POINT_FORM, ProxyProcess, generate, output_ids, pd_server, prefill, stats, wait_until,
+    ENTRY_POINT_FORM,
+    ProxyProcess,
+    generate,
+    output_ids,
+    pd_server,
+    prefill,
+    stats,
+    wait_until,
 )
 from kv_connectors.testing.procs import VllmServer
 from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_dead_producer_fails_fast, assert_pd_matches_colocated

@@ -7,7 +7,13 @@ from collections.abc import Iterator
 import pytest
 
 from kv_connectors.testing.cluster import (
-    ENTRY_POINT_FORM, MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM, MOONCAKE_MODULE_FORM, ProxyProcess, pd_server, stats,
+    ENTRY_POINT_FORM,
+    MODULE_FORM,
+    MOONCAKE_ENTRY_POINT_FORM,
+    MOONCAKE_MODULE_FORM,
+    ProxyProcess,
+    pd_server,
+    stats,
 )
 from tests.e2e.checks import LENGTHS, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN

@@ -10,7 +10,11 @@ import pytest
 
 from kv_connectors.testing.cluster import ProxyProcess, generate, output_ids, stats, transfer_id_params, wait_until
 from tests.e2e.checks import (
-    MAX_TOKENS, PROMPTS, assert_pd_matches_colocated, assert_transfer_id_flow_matches, fresh_prompts,
+    MAX_TOKENS,
+    PROMPTS,
+    assert_pd_matches_colocated,
+    assert_transfer_id_flow_matches,
+    fresh_prompts,
     transfer_id_generate,
 )
 

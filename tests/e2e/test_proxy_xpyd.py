@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,8 +18,16 @@ from typing import Any
 import httpx
 import pytest
 
-from kv_connectors.testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, make_prompts, metric, pd_server
-from kv_connectors.testing.cluster import stats, wait_until
+from kv_connectors.testing.cluster import (
+    ENTRY_POINT_FORM,
+    MODULE_FORM,
+    ProxyProcess,
+    make_prompts,
+    metric,
+    pd_server,
+    stats,
+    wait_until,
+)
 from kv_connectors.testing.procs import VllmServer
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -219,6 +228,51 @@ def test_100_requests_equal_colocated_and_every_server_serves(xpyd: XPyD) -> Non
     print(f"\n100 requests: P completed sends {sends}, D loads {loads}, "
           f"proxy served P {[b['served'] for b in health['prefill']]} D {[b['served'] for b in health['decode']]}")
     # 40 s: longer than a lease (30 s) an earlier test file may have left on the shared P
+    wait_until(lambda: all(stats(p).held_blocks == 0 for p in xpyd.prefill), 40, "both P to free every block")
+
+
+LOAD_REQUESTS = 300
+LOAD_CONCURRENCY = 24
+
+
+def _log_count(server: VllmServer, text: str) -> int:
+    return server.log_path.read_text(errors="replace").count(text)
+
+
+def test_load_300_requests_at_concurrency_24_no_wrong_answer(xpyd: XPyD) -> None:
+    """Servers sharing 2 cores under load (D's queue grows, handshakes and claims compete with the
+    forward passes): no request answered with wrong tokens, none lost, few errors, none to a live peer
+    timing out, and P holds no block at the end."""
+    cases = make_cases(LOAD_REQUESTS, seed=55)
+    want = expected(xpyd.reference, cases)
+    no_answer0 = [_log_count(d, "no answer from side channel") for d in xpyd.decode]
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def timed(case: Case) -> Outcome:
+        t0 = time.monotonic()
+        outcome = run_case(xpyd.proxy.url, case, timeout=300)
+        with lock:
+            latencies.append(time.monotonic() - t0)
+        return outcome
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(LOAD_CONCURRENCY) as pool:
+        got = list(pool.map(timed, cases))
+    wall = time.monotonic() - t0
+    errors = [g.error for g in got if not g.ok]
+    wrong = [b for b in _compare(cases, got, want) if ": error " not in b]
+    latencies.sort()
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99) - 1]
+    d_stats = [stats(d) for d in xpyd.decode]
+    print(f"\nload: {LOAD_REQUESTS} requests at concurrency {LOAD_CONCURRENCY} in {wall:.0f} s: "
+          f"{len(wrong)} wrong, {len(errors)} errors, p50 {p50:.2f} s, p99 {p99:.2f} s; "
+          f"stale reads refused {[s.stale_reads_refused for s in d_stats]}, "
+          f"lease renewals {[s.lease_renewals for s in d_stats]}; errors {errors[:5]}")
+    assert not wrong, f"{len(wrong)} answered with tokens other than colocated: {wrong[:3]}"
+    assert len(errors) <= LOAD_REQUESTS * 0.05, errors[:10]
+    no_answer = [_log_count(d, "no answer from side channel") - n for d, n in zip(xpyd.decode, no_answer0)]
+    assert no_answer == [0, 0], f"handshakes or claims to live producers went unanswered: {no_answer}"
     wait_until(lambda: all(stats(p).held_blocks == 0 for p in xpyd.prefill), 40, "both P to free every block")
 
 

@@ -4,6 +4,7 @@ other prompts reused every block P held. D must fail the request (policy fail) o
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 
@@ -85,3 +86,41 @@ def test_stale_read_recomputes_with_policy_recompute(reference, short_lease_pref
         d1 = stats(recompute_decode)
         assert d1.recv_failures == d0.recv_failures + 1, "D recomputed nothing: it loaded the stale KV"
         assert d1.recv_transfers == d0.recv_transfers
+
+
+@pytest.fixture(scope="module")
+def one_seq_decode(tiny_model):
+    """A D that runs one request at a time: others wait in its queue."""
+    server = pd_server(tiny_model, "kv_consumer", name="D-one-seq", max_model_len=MAX_MODEL_LEN,
+                       extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10})
+    server.argv += ["--max-num-seqs", "1"]
+    with server:
+        yield server
+
+
+def test_heartbeats_keep_the_kv_of_a_request_queued_for_3x_the_lease(reference, short_lease_prefill,
+                                                                     one_seq_decode):
+    prompt = make_prompts([230], seed=81)[0]
+    expected = output_ids(generate(reference.url, prompt, MAX_TOKENS))
+    fillers = make_prompts([8] * 12, seed=82)
+    p0, d0 = stats(short_lease_prefill), stats(one_seq_decode)
+    params = prefill(short_lease_prefill.url, prompt)
+    with concurrent.futures.ThreadPoolExecutor(len(fillers) + 1) as pool:
+        # D busy with long generations, one at a time: the PD request waits behind them.
+        busy = [pool.submit(generate, one_seq_decode.url, f, MAX_MODEL_LEN - 16, 300, ignore_eos=True)
+                for f in fillers]
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        r = pool.submit(generate, one_seq_decode.url, prompt, MAX_TOKENS, 300, kv_transfer_params=params).result()
+        waited = time.monotonic() - t0
+        for f in busy:
+            assert f.result().status_code == 200
+    assert waited >= 3 * LEASE_S, f"the drill's request waited only {waited:.1f} s (< 3x the {LEASE_S:g} s lease)"
+    assert output_ids(r) == expected, "D's output differs from colocated"
+    d1 = stats(one_seq_decode)
+    assert d1.recv_transfers == d0.recv_transfers + 1 and d1.recv_failures == d0.recv_failures, \
+        "D did not load P's KV (recomputed or failed)"
+    assert d1.lease_renewals > d0.lease_renewals
+    wait_until(lambda: stats(short_lease_prefill).held_blocks == 0, 10, "P to free its blocks")
+    p1 = stats(short_lease_prefill)
+    assert p1.expired_leases == p0.expired_leases and p1.completed_sends == p0.completed_sends + 1

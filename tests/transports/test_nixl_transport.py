@@ -17,7 +17,6 @@ from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportEr
 from kv_connectors.nixl.transport import NixlTransport
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transport import XferState
-
 from tests.transports import peer
 from tests.transports.helpers import Local, Peer, open_local, peer_starter, random_pairs, read_until_error, wait_done
 from tests.transports.peer import PeerSpec

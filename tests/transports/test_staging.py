@@ -17,7 +17,6 @@ from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportEr
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.staging import StagedTransport, StagedXfer, chunk_plan
 from kv_connectors.transport import MemoryKind, XferState
-
 from tests.transports import helpers, peer
 from tests.transports.helpers import (
     Local,

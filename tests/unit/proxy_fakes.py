@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-
-import pd_proxy  # noqa: E402
-from pd_proxy.config import BackendSpec, ProxyConfig, SideChannel  # noqa: E402
+import pd_proxy  # examples/ is on pytest's pythonpath (pyproject.toml)
+from pd_proxy.config import BackendSpec, ProxyConfig, SideChannel
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
 D1, D2 = "http://d1.test:8200", "http://d2.test:8200"

@@ -12,11 +12,25 @@ import pytest
 from benchmarks.bench_e2e import evaluate, failed_entry, make_workload, parse_args
 from benchmarks.e2e_client import RequestFailed, request_body
 from benchmarks.e2e_configs import (
-    BUILTIN_LAUNCHER, CONFIGS, DEFAULT_CONFIGS, MIN_KV_CACHE_BYTES, PROGRESS_DELAY_ENV, builtin_server,
-    parse_configs, settings_for,
+    BUILTIN_LAUNCHER,
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    MIN_KV_CACHE_BYTES,
+    PROGRESS_DELAY_ENV,
+    builtin_server,
+    parse_configs,
+    settings_for,
 )
 from benchmarks.e2e_stats import (
-    RATIO_FIGURES, Sample, add_ratios, figures_table, kv_figures, percentile, ratio, ratios_table, summarize,
+    RATIO_FIGURES,
+    Sample,
+    add_ratios,
+    figures_table,
+    kv_figures,
+    percentile,
+    ratio,
+    ratios_table,
+    summarize,
 )
 from benchmarks.plots import line_plot
 from kv_connectors.testing.procs import MiB

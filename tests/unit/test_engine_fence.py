@@ -167,3 +167,54 @@ def test_requests_without_our_hash_are_refused():
         assert "incompatible" in str(future.exception())
     c.p.step()
     assert c.p.engine.stats.held_blocks == 3, "a message without our hash changed P's leases"
+
+
+def test_heartbeats_keep_the_lease_of_a_request_queued_on_d():
+    from kv_connectors.specs import StepMetadata
+
+    c = Cluster()
+    c.prefill_done("r1", P_BLOCKS)
+    peer = ("P", "127.0.0.1", P_PORT)
+    c.d.step(StepMetadata(renew_start={"d1": (peer, "r1")}))  # D's scheduler: d1 still queued
+    for _ in range(40):  # 20 s queued: 4x P's 5 s lease
+        c.run(1, dt=0.5)
+    assert not c.p.finished_sending, "P freed the blocks while D renewed the lease"
+    assert c.d.engine.stats.lease_renewals > 0
+    c.d.step(StepMetadata(renew_stop={"d1"}))
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run()
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
+
+
+def test_a_d_that_stops_renewing_loses_the_lease():
+    from kv_connectors.specs import StepMetadata
+
+    c = Cluster()
+    c.prefill_done("r1", P_BLOCKS)
+    c.d.step(StepMetadata(renew_start={"d1": (("P", "127.0.0.1", P_PORT), "r1")}))
+    c.run(4, dt=0.5)
+    c.d.step(StepMetadata(renew_stop={"d1"}))  # e.g. D's request was aborted
+    renewals = len([m for m in c.fabric.requests if isinstance(m, wire.RenewRequest)])
+    for _ in range(14):
+        c.run(1, dt=0.5)
+    assert len([m for m in c.fabric.requests if isinstance(m, wire.RenewRequest)]) == renewals
+    assert c.p.finished_sending == {"r1"} and c.p.engine.stats.expired_leases == 1
+
+
+def test_push_request_for_a_freed_lease_fails_at_once():
+    c = Cluster(d_extra={"mode": "push"})
+    c.prefill_done("r1", P_BLOCKS)
+    c.clock.advance(6)
+    c.p.step()  # expired
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(3)
+    assert c.d.failed_recving == {"d1"}, "D waited for a push of blocks P no longer holds"
+
+
+def test_push_under_a_live_lease_writes_d_blocks():
+    c = Cluster(d_extra={"mode": "push"})
+    c.prefill_done("r1", P_BLOCKS)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run()
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
+    assert c.p.finished_sending == {"r1"} and c.p.engine.stats.pushes == 1

@@ -10,12 +10,24 @@ import socket
 import httpx
 import pytest
 
-from tests.unit.proxy_fakes import (  # puts examples/ on sys.path
-    D1, D2, KV_FROM_P, P1, P2, PROMPT_IDS, ChunkStream, Fleet, asgi_stream, config, metric_value, running, sse,
-    text_chunks,
-)
 import pd_proxy
 from pd_proxy.config import Policy
+from tests.unit.proxy_fakes import (
+    D1,
+    D2,
+    KV_FROM_P,
+    P1,
+    P2,
+    PROMPT_IDS,
+    ChunkStream,
+    Fleet,
+    asgi_stream,
+    config,
+    metric_value,
+    running,
+    sse,
+    text_chunks,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from pathlib import Path
-
-from tests.unit.proxy_fakes import D1, D2, P1, P2, config, metric_value, sse  # puts examples/ on sys.path
 from pd_proxy.backends import BackendPool
 from pd_proxy.bodies import SseReindexer, merge_answers, merged_usage_event, split_prompts
 from pd_proxy.config import BackendSpec, Flow, Policy, ProxyConfig, Role, SideChannel, parse_args
 from pd_proxy.metrics import ProxyMetrics
+from tests.unit.proxy_fakes import D1, D2, P1, P2, config, metric_value, sse
 
 PROXY_SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "proxy.py")
 

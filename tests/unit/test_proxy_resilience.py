@@ -9,7 +9,18 @@ import httpx
 import pytest
 
 from tests.unit.proxy_fakes import (
-    D1, D2, P1, P2, ChunkStream, Fleet, asgi_stream, config, metric_value, running, sse, text_chunks,
+    D1,
+    D2,
+    P1,
+    P2,
+    ChunkStream,
+    Fleet,
+    asgi_stream,
+    config,
+    metric_value,
+    running,
+    sse,
+    text_chunks,
 )
 
 pytestmark = pytest.mark.anyio

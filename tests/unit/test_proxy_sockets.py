@@ -16,8 +16,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tests.unit.proxy_fakes import KV_FROM_P, config  # puts examples/ on sys.path
 import pd_proxy
+from tests.unit.proxy_fakes import KV_FROM_P, config
 
 
 def _free_port() -> int:

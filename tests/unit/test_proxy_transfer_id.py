@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.unit.proxy_fakes import D1, D2, P1, P2, Call, Fleet, asgi_stream, config, metric_value, running
 from pd_proxy.config import Flow
+from tests.unit.proxy_fakes import D1, D2, P1, P2, Call, Fleet, asgi_stream, config, metric_value, running
 
 pytestmark = pytest.mark.anyio
 

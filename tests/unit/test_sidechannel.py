@@ -70,3 +70,94 @@ def test_no_server_times_out():
     with pytest.raises(HandshakeError, match="no answer"):
         sidechannel.request("127.0.0.1", _free_port(), wire.StatsRequest(), "", 0.5)
     assert time.monotonic() - t0 < 3
+
+
+def test_oversize_frame_is_dropped_unread_and_the_server_keeps_answering():
+    import zmq
+
+    port = _free_port()
+    srv = sidechannel.SideChannelServer("127.0.0.1", port, COMPAT.hash(), _handler, max_msg_bytes=1 << 20)
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart([b"", b"\x00" * (32 << 20)])  # 32 MiB: zmq drops the connection
+        t0 = time.monotonic()
+        assert sidechannel.query_stats("127.0.0.1", port, timeout_s=5).held_blocks == 7
+        assert time.monotonic() - t0 < 5
+        assert not sock.poll(200), "the oversize frame was answered"
+        sock.close(0)
+    finally:
+        srv.close()
+
+
+def test_bind_address_differs_from_the_advertised_one():
+    from kv_connectors.config import parse_config
+
+    cfg = parse_config("P", "kv_producer", {"side_channel_host": "10.1.2.3", "side_channel_bind_host": "0.0.0.0"})
+    assert (cfg.bind_host, cfg.side_channel_host) == ("0.0.0.0", "10.1.2.3")
+    assert parse_config("P", "kv_producer", {"side_channel_host": "h"}).bind_host == "h"
+    port = _free_port()
+    srv = sidechannel.SideChannelServer(cfg.bind_host, port, COMPAT.hash(), _handler)
+    try:  # bound on every address: reachable on loopback
+        assert sidechannel.query_stats("127.0.0.1", port).held_blocks == 7
+    finally:
+        srv.close()
+
+
+def test_client_runs_each_peer_on_its_own_thread():
+    """A frozen peer delays only its own requests: another peer's answer does not wait behind it."""
+    import threading
+
+    frozen_port = _free_port()
+    release = threading.Event()
+
+    def frozen(body):
+        release.wait(10)
+        return _handler(body)
+
+    slow = sidechannel.SideChannelServer("127.0.0.1", frozen_port, COMPAT.hash(), frozen)
+    fast_port = _free_port()
+    fast = sidechannel.SideChannelServer("127.0.0.1", fast_port, COMPAT.hash(), _handler)
+    client = sidechannel.SideChannelClient()
+    try:
+        stuck = [client.submit("127.0.0.1", frozen_port, wire.StatsRequest(), "", 5) for _ in range(3)]
+        t0 = time.monotonic()
+        assert client.submit("127.0.0.1", fast_port, wire.StatsRequest(), "", 5).result(5).held_blocks == 7
+        assert time.monotonic() - t0 < 2
+        assert not any(f.done() for f in stuck)
+    finally:
+        release.set()
+        client.close()
+        slow.close()
+        fast.close()
+
+
+def test_shared_secret_authenticates_side_channel_messages(monkeypatch):
+    from kv_connectors.config import parse_config
+    from kv_connectors.errors import ConfigError, UnauthenticatedPeerError
+
+    monkeypatch.setenv("KVC_TEST_SECRET", "s3cret")
+    cfg = parse_config("P", "kv_producer", {"side_channel_secret_env": "KVC_TEST_SECRET"})
+    assert cfg.side_channel_secret == b"s3cret" and "s3cret" not in repr(cfg)
+    with pytest.raises(ConfigError, match="KVC_NO_SUCH_SECRET"):
+        parse_config("P", "kv_producer", {"side_channel_secret_env": "KVC_NO_SUCH_SECRET"})
+    port = _free_port()
+    srv = sidechannel.SideChannelServer("127.0.0.1", port, COMPAT.hash(), _handler, secret=b"s3cret")
+    try:
+        hello = wire.HandshakeRequest("d", 0, COMPAT)
+        reply = sidechannel.request("127.0.0.1", port, hello, COMPAT.hash(), 5, secret=b"s3cret")
+        assert isinstance(reply, wire.HandshakeReply)
+        with pytest.raises(UnauthenticatedPeerError, match="no MAC"):
+            sidechannel.request("127.0.0.1", port, hello, COMPAT.hash(), 5)
+        with pytest.raises(UnauthenticatedPeerError, match="wrong MAC"):
+            sidechannel.request("127.0.0.1", port, hello, COMPAT.hash(), 5, secret=b"other")
+        assert sidechannel.query_stats("127.0.0.1", port).held_blocks == 7  # monitoring needs no secret
+    finally:
+        srv.close()
+    plain = sidechannel.SideChannelServer("127.0.0.1", port, COMPAT.hash(), _handler)
+    try:  # a client with a secret talking to a server without one gets told so
+        with pytest.raises(UnauthenticatedPeerError):
+            sidechannel.request("127.0.0.1", port, hello, COMPAT.hash(), 5, secret=b"s3cret")
+    finally:
+        plain.close()

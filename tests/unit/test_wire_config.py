@@ -189,3 +189,19 @@ def test_connector_defaults_yield_to_user_config():
 def test_compat_hash_covers_the_way_data_moves():
     staged = msgspec.structs.replace(COMPAT, transport="nixl+staging")
     assert staged.hash() != msgspec.structs.replace(COMPAT, transport="nixl").hash()
+
+
+def test_bad_params_still_name_where_to_release():
+    from kv_connectors.params import release_address
+
+    good = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r", "remote_host": "h",
+            "remote_port": 9, "remote_block_ids": [1.5]}
+    with pytest.raises(TransferParamsError, match="remote_block_ids"):
+        parse_remote_prefill(good)
+    rp = release_address(good)
+    assert rp is not None and rp.peer_key == ("P", "h", 9) and rp.remote_request_id == "r" and rp.push_only
+    assert release_address({**good, "remote_port": 70000}) is None
+    assert release_address({**good, "remote_request_id": 7}) is None
+    assert release_address("nope") is None
+    with pytest.raises(TransferParamsError, match="1..65535"):
+        parse_remote_prefill({**good, "remote_block_ids": [1], "remote_port": 70000})

@@ -1,0 +1,94 @@
+"""D side: heartbeats that keep P's leases alive while D's requests wait in D's queue.
+
+The scheduler side names the requests queued longer than `lease_renew_after_s` (and those that
+left the queue); the worker renews their leases, batched per producer, at a third of the
+producer's lease (learnt from its answer). A D that stops renewing loses the KV at lease expiry,
+and its read is then refused by the fence.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kv_connectors import wire
+
+logger = logging.getLogger(__name__)
+
+PeerKey = tuple[str, str, int]
+_FIRST_INTERVAL_S = 0.5  # until a producer told us its lease
+
+
+@dataclasses.dataclass
+class _Producer:
+    keys: dict[str, str] = dataclasses.field(default_factory=dict)  # D's request id -> P's key
+    interval_s: float = _FIRST_INTERVAL_S
+    next_at: float = 0.0
+    future: concurrent.futures.Future | None = None
+
+
+class Renewer:
+    """Engine thread only; the requests themselves run on the side-channel client's threads."""
+
+    def __init__(
+        self, engine_id: str, compat_hash: str, client: Any, timeout_s: float, clock: Callable[[], float]
+    ) -> None:
+        self._engine_id = engine_id
+        self._hash = compat_hash
+        self._client = client
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._producers: dict[PeerKey, _Producer] = {}
+        self._where: dict[str, PeerKey] = {}  # D's request id -> its producer
+        self.renewals = 0  # keys renewed (P confirmed a live lease)
+
+    def start(self, rid: str, peer: PeerKey, key: str) -> None:
+        producer = self._producers.setdefault(peer, _Producer())
+        producer.keys[rid] = key
+        self._where[rid] = peer
+
+    def stop(self, rid: str) -> None:
+        peer = self._where.pop(rid, None)
+        if peer is None:
+            return
+        producer = self._producers[peer]
+        producer.keys.pop(rid, None)
+        if not producer.keys and producer.future is None:
+            del self._producers[peer]
+
+    def progress(self) -> None:
+        now = self._clock()
+        for peer, producer in list(self._producers.items()):
+            if producer.future is not None:
+                if not producer.future.done():
+                    continue
+                self._settle(peer, producer)
+            if not producer.keys:
+                del self._producers[peer]
+                continue
+            if now >= producer.next_at:
+                _engine, host, port = peer
+                body = wire.RenewRequest(self._engine_id, sorted(set(producer.keys.values())))
+                producer.future = self._client.submit(host, port, body, self._hash, self._timeout_s)
+                producer.next_at = now + producer.interval_s
+
+    def _settle(self, peer: PeerKey, producer: _Producer) -> None:
+        future, producer.future = producer.future, None
+        assert future is not None
+        try:
+            reply = future.result()
+            if not isinstance(reply, wire.RenewReply):
+                raise TypeError(f"unexpected answer {type(reply).__name__}")
+        except Exception as e:  # best effort: the lease (and the fence) decide what happens
+            logger.warning("could not renew leases at %s:%d: %s", peer[1], peer[2], e)
+            return
+        self.renewals += sum(reply.known)
+        if reply.lease_s > 0:
+            producer.interval_s = max(0.05, reply.lease_s / 3)
+
+    @property
+    def pending(self) -> int:
+        return len(self._where)

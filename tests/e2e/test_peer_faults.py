@@ -1,0 +1,101 @@
+"""Unkind peers with real vLLM servers: a frozen P delays only its own requests (2P1D), and a P
+restarted on the same address and engine id is a new peer (re-handshake, never a read of the new
+process with the old one's descriptors)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import statistics
+import time
+
+import pytest
+
+from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kv_connectors.testing.procs import free_port
+from tests.e2e.checks import MAX_TOKENS
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+FROZEN_REQUESTS = 3  # each would hold a shared side-channel thread for D's 5 s handshake deadline
+
+
+@pytest.fixture(scope="module")
+def doomed_prefill(tiny_model):
+    server = pd_server(tiny_model, "kv_producer", name="P-frozen", max_model_len=MAX_MODEL_LEN)
+    with server:
+        yield server
+
+
+def _timed_decode(decode_server, prompt, params) -> tuple[float, list[int]]:
+    t0 = time.monotonic()
+    r = generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)
+    return time.monotonic() - t0, output_ids(r)
+
+
+def _healthy_latencies(reference, prefill_server, decode_server, seed: int, n: int = 6) -> list[float]:
+    out = []
+    for prompt in make_prompts([150] * n, seed=seed):
+        params = prefill(prefill_server.url, prompt)
+        elapsed, got = _timed_decode(decode_server, prompt, params)
+        assert got == output_ids(generate(reference.url, prompt, MAX_TOKENS))
+        out.append(elapsed)
+    return out
+
+
+def test_frozen_producer_delays_only_its_own_requests(reference, prefill_server, decode_server, doomed_prefill):
+    before = _healthy_latencies(reference, prefill_server, decode_server, seed=301)
+    frozen_prompts = make_prompts([120] * FROZEN_REQUESTS, seed=302)
+    frozen_params = [prefill(doomed_prefill.url, p) for p in frozen_prompts]
+    os.killpg(doomed_prefill.pgid, signal.SIGSTOP)
+    try:
+        d0 = stats(decode_server)
+        with concurrent.futures.ThreadPoolExecutor(FROZEN_REQUESTS) as pool:
+            # D hand-shakes with the frozen P for these (never answered), while the healthy P serves.
+            stuck = [pool.submit(generate, decode_server.url, p, MAX_TOKENS, 120, kv_transfer_params=params)
+                     for p, params in zip(frozen_prompts, frozen_params)]
+            time.sleep(0.5)
+            during = _healthy_latencies(reference, prefill_server, decode_server, seed=303)
+            t0 = time.monotonic()
+            results = [f.result() for f in stuck]
+            waited = time.monotonic() - t0
+        for r in results:
+            assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
+        assert waited < 30, f"requests to the frozen P took {waited:.0f} s more to fail"
+        assert stats(decode_server).recv_failures == d0.recv_failures + FROZEN_REQUESTS
+    finally:
+        os.killpg(doomed_prefill.pgid, signal.SIGCONT)
+    ratio = statistics.median(during) / statistics.median(before)
+    assert ratio <= 1.5, (f"healthy requests slowed {ratio:.2f}x while a P was frozen "
+                          f"(median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms)")
+
+
+def _restartable_prefill(tiny_model, http_port: int, side_channel_port: int):
+    server = pd_server(tiny_model, "kv_producer", name="P-restart", max_model_len=MAX_MODEL_LEN,
+                       side_channel_port=side_channel_port, port=http_port)
+    idx = server.argv.index("--kv-transfer-config") + 1
+    cfg = json.loads(server.argv[idx])
+    cfg["engine_id"] = "kvc-restartable-prefill"  # same engine id after the restart: same peer key on D
+    server.argv[idx] = json.dumps(cfg)
+    return server
+
+
+def test_restarted_producer_on_the_same_address_is_a_new_peer(tiny_model, reference, decode_server):
+    http_port, side_port = free_port(), free_port()
+    first, second = make_prompts([140, 170, 110], seed=304)[:2], make_prompts([130], seed=305)[0]
+    with _restartable_prefill(tiny_model, http_port, side_port) as p:
+        for prompt in first:  # D hand-shakes with it and caches the handshake
+            params = prefill(p.url, prompt)
+            _elapsed, got = _timed_decode(decode_server, prompt, params)
+            assert got == output_ids(generate(reference.url, prompt, MAX_TOKENS))
+    with _restartable_prefill(tiny_model, http_port, side_port) as p:
+        params = prefill(p.url, second)
+        r = generate(decode_server.url, second, MAX_TOKENS, kv_transfer_params=params, timeout=60)
+        expected = output_ids(generate(reference.url, second, MAX_TOKENS))
+        if r.status_code == 200 and r.json()["choices"][0]["finish_reason"] != "error":
+            assert output_ids(r) == expected, "D read the restarted P with the old process's descriptors"
+        else:  # a clean failure is allowed once; the next request must work
+            params = prefill(p.url, second)
+            assert output_ids(generate(decode_server.url, second, MAX_TOKENS, kv_transfer_params=params)) == expected
+        wait_until(lambda: stats(p).held_blocks == 0, 15, "the restarted P to free its blocks")

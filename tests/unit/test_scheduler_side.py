@@ -1,0 +1,61 @@
+"""D's scheduler side, driven with stand-ins for vLLM's request objects: heartbeats for requests
+waiting in D's queue start after lease_renew_after_s and stop when the request leaves the queue."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kv_connectors.config import parse_config
+from kv_connectors.vllm.compat import RequestStatus
+from kv_connectors.vllm.scheduler import SchedulerSide
+from tests.unit.engine_harness import FakeClock
+
+BLOCK = 32
+OUTPUT = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})
+
+
+def _request(rid: str, key: str, n_tokens: int = 64) -> SimpleNamespace:
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "P",
+              "remote_request_id": key, "remote_host": "127.0.0.1", "remote_port": 7001,
+              "remote_num_tokens": n_tokens}
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(n_tokens)),
+                           num_prompt_tokens=n_tokens, status=RequestStatus.WAITING)
+
+
+def _blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(blocks=[[SimpleNamespace(block_id=b, block_hash=None) for b in ids]])
+
+
+def test_queued_requests_get_heartbeats_until_scheduled_or_finished():
+    clock = FakeClock()
+    side = SchedulerSide(parse_config("D", "kv_consumer", {"lease_renew_after_s": 1.0}), BLOCK, 7002, clock=clock)
+    a, b, c = _request("a", "ka"), _request("b", "kb"), _request("c", "kc")
+    side.on_new_request(a)
+    side.on_new_request(b)
+    clock.advance(0.5)
+    side.on_new_request(c)
+    assert not side.build_connector_meta(OUTPUT).renew_start, "a request scheduled at once needs no heartbeat"
+    clock.advance(0.6)  # a and b queued 1.1 s, c 0.6 s
+    meta = side.build_connector_meta(OUTPUT)
+    assert meta.renew_start == {"a": (("P", "127.0.0.1", 7001), "ka"), "b": (("P", "127.0.0.1", 7001), "kb")}
+    # a is scheduled: its load starts and its heartbeats stop in the same step.
+    assert side.get_num_new_matched_tokens(a, 0) == (64, True)
+    side.update_state_after_alloc(a, _blocks([5, 6]), 64)
+    # b is aborted while queued.
+    b.status = RequestStatus.FINISHED_ABORTED
+    side.request_finished(b, [])
+    meta = side.build_connector_meta(OUTPUT)
+    assert meta.renew_stop == {"a", "b"} and "a" in meta.reqs_to_recv
+    clock.advance(1.0)
+    assert set(side.build_connector_meta(OUTPUT).renew_start) == {"c"}
+
+
+def test_requests_without_remote_prefill_are_not_tracked():
+    clock = FakeClock()
+    side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=clock)
+    side.on_new_request(SimpleNamespace(request_id="x", kv_transfer_params=None))
+    bad = _request("y", "ky")
+    bad.kv_transfer_params = {"do_remote_prefill": True, "remote_block_ids": "nope"}
+    side.on_new_request(bad)
+    clock.advance(10)
+    assert not side.build_connector_meta(OUTPUT).renew_start
