@@ -124,21 +124,34 @@ class SideChannelServer:
 def request(
     host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float, secret: bytes | None = None
 ) -> wire.Body:
-    """One request/reply with a deadline; ErrorReply answers become typed errors."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
+    """One request/reply with a deadline on a socket of its own; ErrorReply answers become typed errors."""
+    sock = _socket()
+    try:
+        return _exchange(sock, host, port, body, compat_hash, timeout_s, secret, connect=True)
+    finally:
+        sock.close(0)
+
+
+def _socket() -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def _exchange(
+    sock: zmq.Socket, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float,
+    secret: bytes | None, connect: bool,
+) -> wire.Body:
     address = endpoint(host, port)
     try:
-        sock.connect(address)
+        if connect:
+            sock.connect(address)
         sock.send(wire.seal(wire.encode(body, compat_hash), secret))
         if not sock.poll(int(timeout_s * 1000)):
             raise HandshakeError(f"no answer from side channel {address} within {timeout_s:g} s (peer down?)")
         reply = _reply(sock.recv(), body, compat_hash, secret, address)
     except zmq.ZMQError as e:
         raise HandshakeError(f"side channel {address}: {e.strerror}") from e
-    finally:
-        sock.close(0)
     if isinstance(reply, wire.ErrorReply):
         if reply.code == "incompatible":
             raise IncompatiblePeerError(f"incompatible peer (server) at {address}: {reply.message}")
@@ -155,6 +168,7 @@ class SideChannelClient:
     def __init__(self, max_peers: int = 256, secret: bytes | None = None) -> None:
         self._max_peers = max_peers
         self._secret = secret or None
+        self._socks: dict[tuple[str, int], zmq.Socket] = {}  # each used only by its peer's thread
         self._pools: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
         self._shared = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sidechannel")
 
@@ -169,11 +183,30 @@ class SideChannelClient:
                 pool = self._pools[(host, port)] = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix=f"kvc-sc-{port}"
                 )
-        return pool.submit(request, host, port, body, compat_hash, timeout_s, self._secret)
+        if pool is self._shared:
+            return pool.submit(request, host, port, body, compat_hash, timeout_s, self._secret)
+        return pool.submit(self._on_peer_thread, host, port, body, compat_hash, timeout_s)
+
+    def _on_peer_thread(self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float) -> wire.Body:
+        """On the peer's own thread: one connection per peer, kept (a REQ socket per request would cost
+        a TCP and a ZMTP handshake each time: the claim of every pull read comes this way)."""
+        sock = self._socks.get((host, port))
+        fresh = sock is None
+        if sock is None:
+            sock = self._socks[(host, port)] = _socket()
+        try:
+            return _exchange(sock, host, port, body, compat_hash, timeout_s, self._secret, connect=fresh)
+        except BaseException:
+            # A REQ socket without its answer cannot send again (and an answer may still come): a new one.
+            self._socks.pop((host, port), None)
+            sock.close(0)
+            raise
 
     def close(self) -> None:
         for pool in [*self._pools.values(), self._shared]:
             pool.shutdown(wait=False, cancel_futures=True)
+        # The peer threads' sockets are theirs to use until they end (a zmq socket is not thread-safe):
+        # left to the garbage collector, with LINGER 0.
 
 
 def _reply(data: bytes, body: wire.Body, compat_hash: str, secret: bytes | None, address: str) -> wire.Body:
