@@ -14,7 +14,7 @@ all: test
 
 setup: $(STAMP)
 
-$(STAMP): setup.py Makefile
+$(STAMP): setup.py pyproject.toml Makefile
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 		echo "apt: installing$$missing"; \

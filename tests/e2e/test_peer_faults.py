@@ -67,6 +67,8 @@ def test_frozen_producer_delays_only_its_own_requests(reference, prefill_server,
     finally:
         os.killpg(doomed_prefill.pgid, signal.SIGCONT)
     ratio = statistics.median(during) / statistics.median(before)
+    print(f"\nfrozen P: healthy median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms "
+          f"(ratio {ratio:.2f}); {FROZEN_REQUESTS} requests to the frozen P failed {waited:.1f} s after the healthy ones")
     assert ratio <= 1.5, (f"healthy requests slowed {ratio:.2f}x while a P was frozen "
                           f"(median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms)")
 
