@@ -142,6 +142,9 @@ def kv_counters(cfg: PdConfig, d: VllmServer) -> dict[str, float | None]:
     if cfg.kv_source == "connector":
         s = stats(d)
         out.update(bytes=s.recv_bytes, seconds=s.recv_seconds, transfers=s.recv_transfers, failures=s.recv_failures)
+    elif cfg.kv_source == "metrics":  # ours, any release: the kvc:* counters on /metrics (no side-channel query)
+        out.update(bytes=metric(d.url, "kvc:recv_bytes_total"), seconds=metric(d.url, "kvc:transfer_seconds_sum"),
+                   transfers=metric(d.url, "kvc:recv_transfers_total"), failures=metric(d.url, "kvc:recv_failures_total"))
     else:
         out.update(bytes=metric(d.url, BUILTIN_BYTES), seconds=metric(d.url, BUILTIN_SECONDS))
     return out
@@ -171,7 +174,7 @@ def kv_check(cfg: PdConfig, before: dict[str, float | None], after: dict[str, fl
     if (delta["external_tokens"] or 0) < workload.prompt_tokens // 2:
         error = (f"D took {delta['external_tokens']:.0f} of {workload.prompt_tokens} prompt tokens from outside: "
                  "it recomputed instead of loading the KV")
-    elif cfg.kv_source == "connector" and (delta["transfers"] != n or delta["failures"]):
+    elif cfg.kv_source in ("connector", "metrics") and (delta["transfers"] != n or delta["failures"]):
         error = f"D loaded {delta['transfers']} of {n} prompts ({delta['failures']} failed loads)"
     kv_bytes = None if not delta["bytes"] else int(delta["bytes"])
     figures = kv_figures(kv_bytes, delta["seconds"] or None)

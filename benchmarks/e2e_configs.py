@@ -84,7 +84,7 @@ class PdConfig:
     name: str
     description: str
     build: Callable[[ServerSettings], tuple[VllmServer, VllmServer]]
-    kv_source: str  # "connector" (our side-channel stats) or "builtin" (vLLM's vllm:nixl_* metrics)
+    kv_source: str  # "connector" (our side-channel stats), "metrics" (our kvc:* on /metrics) or "builtin" (vllm:nixl_*)
     notes: tuple[str, ...] = ()
 
 
@@ -143,7 +143,7 @@ CONFIGS: dict[str, PdConfig] = {
                  lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s), "connector"),
         PdConfig("ours-nixl-pull-baseline",
                  f"our NixlConnector, pull, from the checkout named by ${BASELINE_TREE_ENV} (before/after in one run)",
-                 lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s, _baseline_tree()), "connector"),
+                 lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s, _baseline_tree()), "metrics"),
         PdConfig("ours-nixl-push", "our NixlConnector, P writes into D's blocks",
                  lambda s: _ours(MODULE_FORM, {}, {"mode": "push"}, s), "connector"),
         PdConfig("ours-mooncake", "our MooncakeConnector (tcp), push",

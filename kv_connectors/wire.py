@@ -10,7 +10,9 @@ import msgspec
 from kv_connectors.errors import HandshakeError, IncompatiblePeerError, UnauthenticatedPeerError
 from kv_connectors.layout import KVLayout, Region
 
-WIRE_VERSION = 1
+# Wire history: 1 = handshake, push, notifications; 2 = claims (the fence), renewals, epochs, MACs.
+# A peer of another version is refused at the handshake with "upgrade both sides".
+WIRE_VERSION = 2
 _MAX_ADDRESS = 2**63  # planned addresses are int64
 
 
