@@ -138,7 +138,7 @@ def run_colocated(settings: ServerSettings, workload: Workload) -> tuple[dict[st
 
 def kv_counters(cfg: PdConfig, d: VllmServer) -> dict[str, float | None]:
     """D's counters: KV bytes and transfer seconds (ours: side channel; built-in: /metrics), external tokens."""
-    out: dict[str, float | None] = {"external_tokens": metric(d.url, EXTERNAL_HITS)}
+    out: dict[str, float | None] = {"external_tokens": metric(d.url, EXTERNAL_HITS, missing_ok=True)}
     if cfg.kv_source == "connector":
         s = stats(d)
         out.update(bytes=s.recv_bytes, seconds=s.recv_seconds, transfers=s.recv_transfers, failures=s.recv_failures)
@@ -146,7 +146,7 @@ def kv_counters(cfg: PdConfig, d: VllmServer) -> dict[str, float | None]:
         out.update(bytes=metric(d.url, "kvc:recv_bytes_total"), seconds=metric(d.url, "kvc:transfer_seconds_sum"),
                    transfers=metric(d.url, "kvc:recv_transfers_total"), failures=metric(d.url, "kvc:recv_failures_total"))
     else:
-        out.update(bytes=metric(d.url, BUILTIN_BYTES), seconds=metric(d.url, BUILTIN_SECONDS))
+        out.update(bytes=metric(d.url, BUILTIN_BYTES, missing_ok=True), seconds=metric(d.url, BUILTIN_SECONDS, missing_ok=True))
     return out
 
 

@@ -70,7 +70,7 @@ def builtin_lease_default() -> LeaseDefault:
 
 def kv_usage(server: VllmServer) -> float:
     """P's share of KV blocks in use (vLLM's own gauge; blocks held for a D count, freed cached ones do not)."""
-    return metric(server.url, KV_USAGE)
+    return metric(server.url, KV_USAGE, missing_ok=True)
 
 
 def ours_d_counters(d: VllmServer) -> dict[str, float]:
@@ -81,7 +81,8 @@ def ours_d_counters(d: VllmServer) -> dict[str, float]:
 
 def builtin_d_counters(d: VllmServer) -> dict[str, float]:
     """D's transfers and failed transfers (the built-in's /metrics; failures include handshakes, notifications)."""
-    return {"transfers": metric(d.url, BUILTIN_TRANSFERS), "failed": metric(d.url, BUILTIN_FAILED)}
+    return {"transfers": metric(d.url, BUILTIN_TRANSFERS, missing_ok=True),
+            "failed": metric(d.url, BUILTIN_FAILED, missing_ok=True)}
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

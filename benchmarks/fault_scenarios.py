@@ -134,7 +134,7 @@ def connectors() -> dict[str, Connector]:
                           _ours_server, ours_d_counters, lambda p: float(stats(p).expired_leases)),
         "builtin": Connector("builtin", "vLLM's built-in NixlConnector, kv_buffer_device cpu, as shipped",
                              builtin_lease_default(), _builtin_server, builtin_d_counters,
-                             lambda p: metric(p.url, BUILTIN_EXPIRED)),
+                             lambda p: metric(p.url, BUILTIN_EXPIRED, missing_ok=True)),
     }
 
 
@@ -297,9 +297,9 @@ def _abort_while_queued(d: VllmServer, prompt: list[int], params: dict[str, Any]
     request queued and dropped it)."""
     with send_request(d.url, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                               "kv_transfer_params": params}):
-        queued, _ = poll_until(lambda: metric(d.url, "vllm:num_requests_waiting"), lambda n: n >= 1, 2.0)
+        queued, _ = poll_until(lambda: metric(d.url, "vllm:num_requests_waiting", missing_ok=True), lambda n: n >= 1, 2.0)
     closed = time.monotonic()
-    waiting, _ = poll_until(lambda: metric(d.url, "vllm:num_requests_waiting"), lambda n: n == 0, 2.0)
+    waiting, _ = poll_until(lambda: metric(d.url, "vllm:num_requests_waiting", missing_ok=True), lambda n: n == 0, 2.0)
     return closed, {"queued_on_d": queued >= 1, "d_dropped_it": waiting == 0}
 
 

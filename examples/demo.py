@@ -106,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         if ds.staging_pool_bytes:
             print(f"staging: pool {ds.staging_pool_bytes // 1024} KiB on each side, peak use on D "
                   f"{ds.staging_peak_bytes // 1024} KiB, on P {ps.staging_peak_bytes // 1024} KiB")
+        if totals["bytes"] == 0 or ds.recv_failures:
+            print(f"FAILED: D moved {totals['bytes']} bytes of KV ({ds.recv_failures} failed loads): "
+                  "the outputs above were not computed from P's KV")
+            return 1
         return 1 if mismatches else 0
 
 

@@ -171,11 +171,17 @@ def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.2)
         time.sleep(interval)
 
 
-def metric(url: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples on a vLLM server's /metrics."""
+def metric(url: str, name: str, *, missing_ok: bool = False) -> float:
+    """Sum of a Prometheus metric's samples on a vLLM server's /metrics.
+
+    A metric the server does not export is an error (a check must not pass because a metric is
+    missing), unless missing_ok (metrics some servers create only on first use): then 0."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
+    total, found = 0.0, False
     for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
+        if line.startswith(name) and len(line) > len(name) and line[len(name)] in " {":
             total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found and not missing_ok:
+        raise AssertionError(f"{url}/metrics has no {name!r}")
     return total
