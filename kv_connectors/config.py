@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kv_connectors.errors import ConfigError
@@ -132,13 +132,13 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
-def _choice(choices: tuple[str, ...]):
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     def check(key: str, value: Any) -> str:
         if value not in choices:
             raise ConfigError(
                 f"kv_connector_extra_config[{key!r}] must be one of {', '.join(choices)}; got {value!r}"
             )
-        return value
+        return str(value)
 
     return check
 
@@ -148,7 +148,7 @@ def _mode(key: str, value: Any) -> TransferMode:
     return TransferMode(_choice(valid)(key, value))
 
 
-_CHECKERS = {
+_CHECKERS: dict[str, Callable[[str, Any], Any]] = {
     "side_channel_host": _host,
     "side_channel_port": _port,
     "side_channel_bind_host": _host,
@@ -199,7 +199,7 @@ def parse_config(
             f"unknown kv_connector_extra_config key(s) {', '.join(map(repr, unknown))}; "
             f"valid keys: {', '.join(VALID_KEYS)}"
         )
-    values = {key: _CHECKERS[key](key, value) for key, value in extra.items()}
+    values: dict[str, Any] = {key: _CHECKERS[key](key, value) for key, value in extra.items()}
     pool = values.get("staging_pool_kib", 64 * 1024)
     if "staging_chunk_kib" not in values:  # 4 MiB chunks (1.1-1.5x faster than 1 MiB, CPU and H200), 8+ slots
         values["staging_chunk_kib"] = max(1, min(DEFAULT_CHUNK_KIB, pool // 8))

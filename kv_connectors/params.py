@@ -40,11 +40,11 @@ class RemotePrefill:
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
-    return bool(params) and params.get("do_remote_prefill") is True
+    return params is not None and bool(params) and params.get("do_remote_prefill") is True
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
-    return bool(params) and params.get("do_remote_decode") is True
+    return params is not None and bool(params) and params.get("do_remote_decode") is True
 
 
 def _int(name: str, value: Any, minimum: int) -> int:

@@ -28,7 +28,7 @@ _FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly dif
 class _ClaimBatch:
     """One ClaimRequest to a producer for every read that was ready to claim in one progress call."""
 
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future[wire.Body]
     sent_at: float  # before the request left: at or before P's receipt, so the fence errs early
     index: dict[str, int]  # task id -> item index
 
@@ -37,7 +37,7 @@ class _ClaimBatch:
 class _Peer:
     """A producer: known once its handshake answered."""
 
-    future: concurrent.futures.Future | None
+    future: concurrent.futures.Future[wire.Body] | None
     agent_name: str = ""
     layout: KVLayout | None = None
     error: str | None = None
@@ -86,7 +86,7 @@ class Receiver:
         self.totals = RecvTotals()
         self.claims_refused = 0
 
-    def _submit(self, key: PeerKey, body: wire.Body) -> concurrent.futures.Future:
+    def _submit(self, key: PeerKey, body: wire.Body) -> concurrent.futures.Future[wire.Body]:
         """One side-channel request to the producer at key (off this thread, with its own deadline)."""
         _engine, host, port = key
         return self._client.submit(host, port, body, self._hash, self._cfg.handshake_timeout_s)

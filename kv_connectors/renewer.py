@@ -27,7 +27,7 @@ class _Producer:
     keys: dict[str, str] = dataclasses.field(default_factory=dict)  # D's request id -> P's key
     interval_s: float = _FIRST_INTERVAL_S
     next_at: float = 0.0
-    future: concurrent.futures.Future | None = None
+    future: concurrent.futures.Future[wire.Body] | None = None
 
 
 class Renewer:

@@ -132,14 +132,14 @@ def request(
         sock.close(0)
 
 
-def _socket() -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.REQ)
+def _socket() -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     return sock
 
 
 def _exchange(
-    sock: zmq.Socket, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float,
+    sock: zmq.Socket[bytes], host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float,
     secret: bytes | None, connect: bool,
 ) -> wire.Body:
     address = endpoint(host, port)
@@ -168,13 +168,13 @@ class SideChannelClient:
     def __init__(self, max_peers: int = 256, secret: bytes | None = None) -> None:
         self._max_peers = max_peers
         self._secret = secret or None
-        self._socks: dict[tuple[str, int], zmq.Socket] = {}  # each used only by its peer's thread
+        self._socks: dict[tuple[str, int], zmq.Socket[bytes]] = {}  # each used only by its peer's thread
         self._pools: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
         self._shared = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sidechannel")
 
     def submit(
         self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
-    ) -> concurrent.futures.Future:
+    ) -> concurrent.futures.Future[wire.Body]:
         pool = self._pools.get((host, port))
         if pool is None:
             if len(self._pools) >= self._max_peers:

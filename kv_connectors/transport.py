@@ -30,7 +30,9 @@ class Transport(Protocol):
     Not thread-safe: one thread drives a transport.
     """
 
-    name: str  # this agent's unique name (peers address us by it)
+    @property
+    def name(self) -> str:
+        """This agent's unique name (peers address us by it)."""
 
     def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
         """Register every region of the layout with the engine."""

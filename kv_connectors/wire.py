@@ -259,7 +259,7 @@ def is_stats_request(frame: bytes) -> bool:
 
 def encode(body: Body, compat_hash: str) -> bytes:
     """One frame: (header, body)."""
-    kind = type(body).__struct_config__.tag
+    kind = str(type(body).__struct_config__.tag)
     return _encoder.encode((Header(WIRE_VERSION, compat_hash, kind), body))
 
 

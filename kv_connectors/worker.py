@@ -72,7 +72,7 @@ class WorkerEngine:
         self._transport: Transport | None = None
         self._layout: KVLayout | None = None
         self._compat: wire.CompatInfo | None = None
-        self._server: sidechannel.SideChannelServer | None = None
+        self._server: Server | None = None
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
         self._renewer: Renewer | None = None

@@ -91,8 +91,8 @@ class MemoryClient:
 
     def submit(
         self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
-    ) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    ) -> concurrent.futures.Future[wire.Body]:
+        future: concurrent.futures.Future[wire.Body] = concurrent.futures.Future()
         self._fabric.requests.append(body)
         address = f"{host}:{port}"
         if address in self._fabric.frozen:
