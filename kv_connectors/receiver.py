@@ -263,14 +263,10 @@ class Receiver:
     def _advance_read(self, task: RecvTask, now: float) -> None:
         """Pull: the read counts once it is complete and P granted the claim before it could lapse."""
         if task.handle is not None:
-            try:
-                state = self._transport.poll(task.handle)
-            except KVConnectorError as e:
-                self._fail_transfer(task, e)
+            done = self._poll(task)
+            if done is None:
                 return
-            if state is XferState.DONE:
-                self._transport.release(task.handle)
-                task.handle = None
+            if done:
                 task.read_done_at = now
         self._advance_claim(task, now)
         if task.phase is not RecvPhase.TRANSFER:
@@ -328,17 +324,25 @@ class Receiver:
             if now > task.deadline:
                 task.fail(f"producer did not write the blocks within {self._cfg.transfer_timeout_s:g} s")
             return
+        done = self._poll(task)
+        if done:
+            self._complete(task)
+        elif done is False and now > task.deadline:
+            self._fail_transfer(task, KVConnectorError(f"transfer timed out after {self._cfg.transfer_timeout_s:g} s"))
+
+    def _poll(self, task: RecvTask) -> bool | None:
+        """The posted transfer: True once done (handle released), False while in flight, None if it
+        failed (then the task has failed)."""
         try:
             state = self._transport.poll(task.handle)
         except KVConnectorError as e:
             self._fail_transfer(task, e)
-            return
-        if state is XferState.DONE:
-            self._transport.release(task.handle)
-            task.handle = None
-            self._complete(task)
-        elif now > task.deadline:
-            self._fail_transfer(task, KVConnectorError(f"transfer timed out after {self._cfg.transfer_timeout_s:g} s"))
+            return None
+        if state is not XferState.DONE:
+            return False
+        self._transport.release(task.handle)
+        task.handle = None
+        return True
 
     def _complete(self, task: RecvTask) -> None:
         task.phase = RecvPhase.DONE

@@ -29,10 +29,12 @@ MOONCAKE_ENTRY_POINT_FORM = {"kv_connector": "KvcMooncakeConnector"}
 
 
 def kv_transfer_config(
-    role: str, side_channel_port: int, *, form: Mapping[str, str] = MODULE_FORM, **extra: Any
+    role: str, side_channel_port: int, *, form: Mapping[str, str] = MODULE_FORM,
+    top_level: Mapping[str, Any] | None = None, **extra: Any
 ) -> str:
-    """The --kv-transfer-config JSON for one instance."""
-    cfg = dict(form)
+    """The --kv-transfer-config JSON for one instance; top_level: vLLM's own keys (e.g.
+    kv_load_failure_policy, engine_id), extra: kv_connector_extra_config."""
+    cfg: dict[str, Any] = {**dict(form), **dict(top_level or {})}
     cfg["kv_role"] = role
     cfg["kv_connector_extra_config"] = {"side_channel_port": side_channel_port, **extra}
     return json.dumps(cfg)
@@ -47,13 +49,16 @@ def pd_server(
     cpu_bind: int | None = None,
     name: str | None = None,
     extra_config: Mapping[str, Any] | None = None,
+    transfer_config: Mapping[str, Any] | None = None,
     **server_kwargs: Any,
 ) -> VllmServer:
-    """A vLLM server with our connector (not started)."""
+    """A vLLM server with our connector (not started). transfer_config: vLLM's own kv-transfer-config
+    keys (e.g. {"kv_load_failure_policy": "recompute"}); extra_config: ours."""
     port = side_channel_port or free_port()
+    ktc = kv_transfer_config(role, port, form=form, top_level=transfer_config, **dict(extra_config or {}))
     server = VllmServer(
         model,
-        extra_args=["--kv-transfer-config", kv_transfer_config(role, port, form=form, **dict(extra_config or {}))],
+        extra_args=["--kv-transfer-config", ktc],
         cpu_bind=cpu_bind,
         name=name or role,
         **server_kwargs,

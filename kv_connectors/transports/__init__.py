@@ -5,6 +5,8 @@ Engines are imported lazily, so naming one that is not installed says which extr
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 from kv_connectors.config import ConnectorConfig
@@ -19,31 +21,24 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
 
     kwargs go to the transport (the memory transport needs `fabric`)."""
     if kind == "nixl":
-        try:
-            from kv_connectors.nixl.transport import NixlTransport
-        except ImportError as e:
-            raise ConfigError(f"the NIXL transport needs `pip install kv-connectors[nixl]`: {e}") from e
-        return NixlTransport(
-            name,
-            backend=cfg.nixl_backend,
-            progress_delay_us=cfg.progress_delay_us,
-            num_threads=cfg.nixl_num_threads or None,
-            **kwargs,
-        )
+        nixl = _engine("kv_connectors.nixl.transport", "NixlTransport", "nixl")
+        return nixl(name, backend=cfg.nixl_backend, progress_delay_us=cfg.progress_delay_us,
+                    num_threads=cfg.nixl_num_threads or None, **kwargs)
     if kind == "mooncake":
-        try:
-            from kv_connectors.mooncake.transport import MooncakeTransport
-        except ImportError as e:
-            raise ConfigError(f"the Mooncake transport needs `pip install kv-connectors[mooncake]`: {e}") from e
-        return MooncakeTransport(
-            name,
-            hostname=cfg.side_channel_host,
-            protocol=cfg.mooncake_protocol,
-            device_name=cfg.mooncake_device_name,
-            **kwargs,
-        )
+        mooncake = _engine("kv_connectors.mooncake.transport", "MooncakeTransport", "mooncake")
+        return mooncake(name, hostname=cfg.side_channel_host, protocol=cfg.mooncake_protocol,
+                        device_name=cfg.mooncake_device_name, **kwargs)
     if kind == "memory":
         from kv_connectors.transports.memory import MemoryTransport
 
         return MemoryTransport(name, **kwargs)
     raise ConfigError(f"unknown transport {kind!r}; known: {', '.join(KINDS)}")
+
+
+def _engine(module: str, cls: str, extra: str) -> Callable[..., Transport]:
+    """A transport class whose engine is an optional dependency; a missing one names the pip extra."""
+    try:
+        factory: Callable[..., Transport] = getattr(importlib.import_module(module), cls)
+        return factory
+    except ImportError as e:
+        raise ConfigError(f"the {extra} transport needs `pip install kv-connectors[{extra}]`: {e}") from e

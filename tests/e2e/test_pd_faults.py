@@ -3,7 +3,6 @@ P's blocks are always freed, and D keeps serving."""
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 
@@ -121,11 +120,8 @@ def test_side_channel_port_in_use_fails_start_up(tiny_model):
 def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
     """With vLLM's kv_load_failure_policy=recompute a failed load is recomputed on D: same output."""
     server = pd_server(tiny_model, "kv_consumer", name="D-recompute", max_model_len=MAX_MODEL_LEN,
-                       extra_config={"handshake_timeout_s": 3, "transfer_timeout_s": 5})
-    idx = server.argv.index("--kv-transfer-config") + 1
-    cfg = json.loads(server.argv[idx])
-    cfg["kv_load_failure_policy"] = "recompute"
-    server.argv[idx] = json.dumps(cfg)
+                       extra_config={"handshake_timeout_s": 3, "transfer_timeout_s": 5},
+                       transfer_config={"kv_load_failure_policy": "recompute"})
     producer = pd_server(tiny_model, "kv_producer", name="P-doomed", max_model_len=MAX_MODEL_LEN)
     with server:
         with producer:

@@ -5,7 +5,6 @@ process with the old one's descriptors)."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 import statistics
@@ -74,13 +73,10 @@ def test_frozen_producer_delays_only_its_own_requests(reference, prefill_server,
 
 
 def _restartable_prefill(tiny_model, http_port: int, side_channel_port: int):
-    server = pd_server(tiny_model, "kv_producer", name="P-restart", max_model_len=MAX_MODEL_LEN,
-                       side_channel_port=side_channel_port, port=http_port)
-    idx = server.argv.index("--kv-transfer-config") + 1
-    cfg = json.loads(server.argv[idx])
-    cfg["engine_id"] = "kvc-restartable-prefill"  # same engine id after the restart: same peer key on D
-    server.argv[idx] = json.dumps(cfg)
-    return server
+    # The same engine id after the restart: the same peer key on D, whose handshake is cached.
+    return pd_server(tiny_model, "kv_producer", name="P-restart", max_model_len=MAX_MODEL_LEN,
+                     side_channel_port=side_channel_port, port=http_port,
+                     transfer_config={"engine_id": "kvc-restartable-prefill"})
 
 
 def test_restarted_producer_on_the_same_address_is_a_new_peer(tiny_model, reference, decode_server):

@@ -5,7 +5,6 @@ other prompts reused every block P held. D must fail the request (policy fail) o
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import time
 
 import pytest
@@ -33,11 +32,8 @@ def short_lease_prefill(tiny_model):
 @pytest.fixture(scope="module")
 def recompute_decode(tiny_model):
     server = pd_server(tiny_model, "kv_consumer", name="D-recompute-stale", max_model_len=MAX_MODEL_LEN,
-                       extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10})
-    idx = server.argv.index("--kv-transfer-config") + 1
-    cfg = json.loads(server.argv[idx])
-    cfg["kv_load_failure_policy"] = "recompute"
-    server.argv[idx] = json.dumps(cfg)
+                       extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10},
+                       transfer_config={"kv_load_failure_policy": "recompute"})
     with server:
         yield server
 
