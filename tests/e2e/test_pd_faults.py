@@ -105,16 +105,21 @@ def test_side_channel_port_in_use_fails_start_up(tiny_model):
         port = s.getsockname()[1]
         server = pd_server(tiny_model, "kv_producer", side_channel_port=port, name="P-busy-port",
                            max_model_len=MAX_MODEL_LEN)
-        server.start()
-        try:
-            deadline = time.monotonic() + 180
-            while server.is_running() and time.monotonic() < deadline:
-                time.sleep(0.5)
-            assert not server.is_running(), "server kept running with its side-channel port taken"
-            log = server.log_tail(200)
-            assert "side_channel_port" in log and str(port) in log, log[-2000:]
-        finally:
-            server.stop()
+        log = _refused_at_start_up(server, 180, "server kept running with its side-channel port taken")
+        assert "side_channel_port" in log and str(port) in log, log[-2000:]
+
+
+def _refused_at_start_up(server, timeout_s: float, why_not: str) -> str:
+    """Start the server, expect it to exit by itself within timeout_s; its log tail."""
+    server.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while server.is_running() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not server.is_running(), why_not
+        return server.log_tail(300)
+    finally:
+        server.stop()
 
 
 def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
@@ -139,13 +144,5 @@ def test_tensor_parallel_instance_is_refused_at_start_up(tiny_model):
     server = pd_server(tiny_model, "kv_consumer", name="D-tp2", max_model_len=MAX_MODEL_LEN,
                        multiprocessing=True, cpu_bind="0|1")
     server.argv += ["--tensor-parallel-size", "2"]
-    server.start()
-    try:
-        deadline = time.monotonic() + 240
-        while server.is_running() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not server.is_running(), "a TP 2 instance with our connector kept running"
-        log = server.log_tail(300)
-        assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in log, log[-2000:]
-    finally:
-        server.stop()
+    log = _refused_at_start_up(server, 240, "a TP 2 instance with our connector kept running")
+    assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in log, log[-2000:]
