@@ -47,9 +47,15 @@ class Node:
     finished_recving: set[str] = dataclasses.field(default_factory=set)
     failed_recving: set[str] = dataclasses.field(default_factory=set)
 
-    def step(self, meta: StepMetadata | None = None) -> None:
-        """One engine step as vLLM drives it: start_load_kv, (forward), get_finished."""
+    def step(self, meta: StepMetadata | None = None, layers: tuple[str, ...] = ()) -> None:
+        """One engine step as vLLM drives it: bind metadata, start_load_kv, the forward pass (each
+        layer's save hook), wait_for_save, get_finished."""
+        if meta is not None:
+            self.engine.before_forward(meta)
         self.engine.start_load(meta)
+        for layer in layers:
+            self.engine.on_layer_saved(layer)
+        self.engine.end_of_forward()
         sending, recving, failed = self.engine.take_results()
         self.finished_sending |= sending
         self.finished_recving |= recving
@@ -85,7 +91,8 @@ class Cluster:
 
         engine = WorkerEngine(cfg, 0, make, "memory", serve=self.fabric.serve, client=self.fabric.client(),
                               clock=self.clock)
-        engine.register(layout, compat_for(layout))
+        # Each region is one "layer" (layer-wise push writes a layer's regions as it is computed).
+        engine.register(layout, compat_for(layout), layer_regions={"layer.0": (0,), "layer.1": (1,)})
         return Node(engine, kv, made[-1])
 
     def add_consumer(self, engine_id: str = "D2", port: int = D2_PORT, extra: dict | None = None) -> Node:
