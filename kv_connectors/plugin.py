@@ -15,12 +15,8 @@ CONNECTORS: dict[str, tuple[str, str]] = {
 
 def register() -> None:
     """Called once per vLLM process (API server, EngineCore, Worker); safe to call again."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from kv_connectors.vllm import compat  # the one place that imports vLLM
 
     for name, (module, cls) in CONNECTORS.items():
-        if name in KVConnectorFactory._registry:
-            continue
-        try:
-            KVConnectorFactory.register_connector(name, module, cls)
-        except ValueError:  # registered concurrently or by an older copy of this plugin
+        if not compat.register_connector(name, module, cls):
             logger.debug("connector %s already registered", name)

@@ -56,6 +56,17 @@ def transfer_results(finished_sending: set[str], finished_recving: set[str], fai
     )
 
 
+def register_connector(name: str, module: str, cls: str) -> bool:
+    """Register a connector class by name with vLLM's factory; False if the name is taken already."""
+    if name in KVConnectorFactory._registry:
+        return False
+    try:
+        KVConnectorFactory.register_connector(name, module, cls)
+    except ValueError:  # registered concurrently, or by an older copy of this plugin
+        return False
+    return True
+
+
 def num_kv_cache_groups(kv_cache_config: Any) -> int:
     return len(kv_cache_config.kv_cache_groups)
 

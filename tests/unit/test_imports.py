@@ -1,0 +1,111 @@
+"""The house's layering, checked on the source: imports point down.
+
+- only kv_connectors/vllm/ imports vLLM;
+- the pure core and engine import neither vLLM nor our adapter, nor torch or a transport engine;
+- transports import nothing above them (no engine, adapter or request state);
+- no import cycle among our modules at import time (TYPE_CHECKING-only imports excepted)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "kv_connectors"
+PURE = {"errors", "config", "layout", "plan", "params", "wire", "state", "specs", "sidechannel", "logutil",
+        "transport", "receiver", "sender", "renewer", "worker", "transports", "transports.memory"}
+TRANSPORTS = ("transports", "nixl.transport", "mooncake.transport", "staging")
+ABOVE_TRANSPORTS = ("receiver", "sender", "renewer", "worker", "state", "specs", "params", "vllm", "plugin",
+                    "testing", "nixl", "mooncake")  # "nixl"/"mooncake" = the connector faces, not .transport
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, module_level_only: bool) -> set[str]:
+    """Absolute names imported by the file (skipping `if TYPE_CHECKING:` blocks)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST, top: bool) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import) and (top or not module_level_only):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level and (top or not module_level_only):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            nested = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            visit(child, top and not nested)
+
+    visit(tree, True)
+    return found
+
+
+def _ours(names: set[str], modules: dict[str, Path]) -> set[str]:
+    out = set()
+    for name in names:
+        if name.startswith("kv_connectors."):
+            rel = name[len("kv_connectors."):]
+            while rel and rel not in modules:
+                rel = rel.rpartition(".")[0]
+            if rel:
+                out.add(rel)
+    return out
+
+
+def _under(module: str, prefixes: tuple[str, ...] | set[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_only_the_adapter_imports_vllm():
+    offenders = [m for m, path in _modules().items() if not _under(m, ("vllm",))
+                 and any(n == "vllm" or n.startswith("vllm.") for n in _imports(path, module_level_only=False))]
+    assert not offenders, f"modules outside kv_connectors/vllm/ import vLLM: {offenders}"
+
+
+def test_the_core_and_engine_are_pure():
+    modules = _modules()
+    for m in PURE:
+        names = _imports(modules[m], module_level_only=False)
+        bad = {n for n in names if n.split(".")[0] in ("vllm", "torch", "nixl", "mooncake")}
+        bad |= {o for o in _ours(names, modules) if _under(o, ("vllm", "nixl", "mooncake", "staging", "testing"))
+                and not (m == "worker" and o.startswith("staging"))}
+        assert not bad, f"kv_connectors.{m} imports {sorted(bad)}"
+
+
+def test_transports_import_nothing_above_them():
+    modules = _modules()
+    for m, path in modules.items():
+        if not _under(m, TRANSPORTS):
+            continue
+        above = {o for o in _ours(_imports(path, module_level_only=False), modules)
+                 if _under(o, ABOVE_TRANSPORTS) and not _under(o, TRANSPORTS)}
+        assert not above, f"transport module kv_connectors.{m} imports {sorted(above)} (above it)"
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    graph = {m: _ours(_imports(p, module_level_only=True), modules) - {m} for m, p in modules.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for dep in graph.get(m, ()):
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
