@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 
 from kv_connectors import sidechannel, wire
@@ -67,14 +66,14 @@ class Receiver:
         layout: KVLayout,
         compat: wire.CompatInfo,
         *,
-        client: sidechannel.SideChannelClient | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        local_metadata: bytes | None = None,
+        client: sidechannel.Client,
+        clock: Callable[[], float],
+        local_metadata: bytes,  # the transport's, read once at registration
     ) -> None:
         self._cfg = cfg
-        self._local_metadata = transport.local_metadata() if local_metadata is None else local_metadata
+        self._local_metadata = local_metadata
         self._rank = rank
-        self._client = client or sidechannel.SideChannelClient()
+        self._client = client
         self._clock = clock
         self._transport = transport
         self._layout = layout

@@ -12,9 +12,8 @@ import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
 
-from kv_connectors import wire
+from kv_connectors import sidechannel, wire
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +33,8 @@ class Renewer:
     """Engine thread only; the requests themselves run on the side-channel client's threads."""
 
     def __init__(
-        self, engine_id: str, compat_hash: str, client: Any, timeout_s: float, clock: Callable[[], float]
+        self, engine_id: str, compat_hash: str, client: sidechannel.Client, timeout_s: float,
+        clock: Callable[[], float],
     ) -> None:
         self._engine_id = engine_id
         self._hash = compat_hash
@@ -88,7 +88,3 @@ class Renewer:
         self.renewals += sum(reply.known)
         if reply.lease_s > 0:
             producer.interval_s = max(0.05, reply.lease_s / 3)
-
-    @property
-    def pending(self) -> int:
-        return len(self._where)

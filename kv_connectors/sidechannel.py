@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
@@ -31,6 +32,32 @@ DEFAULT_MAX_MSG_BYTES = 16 * 1024 * 1024  # far above any legitimate message (ha
 def endpoint(host: str, port: int) -> str:
     host = f"[{host}]" if ":" in host else host
     return f"tcp://{host}:{port}"
+
+
+def answer(data: bytes, compat_hash: str, handler: Handler, secret: bytes | None = None) -> bytes:
+    """A server's answer to one request frame (whatever it holds: errors become ErrorReply)."""
+    try:
+        try:
+            frame = wire.unseal(data, secret)
+        except UnauthenticatedPeerError:
+            if not wire.is_stats_request(data):  # monitoring may read counters without the secret
+                raise
+            frame = data
+        # Every request but a handshake (compared field by field by the handler) and stats
+        # must carry our compatibility hash: a peer that never hand-shook cannot claim or push.
+        body = wire.decode(frame, expected_hash=compat_hash, unchecked=wire.SERVER_UNCHECKED)
+        reply = handler(body)
+    except UnauthenticatedPeerError as e:
+        _limited.warning("auth", "side channel: refused a message: %s", e)
+        return wire.encode(wire.ErrorReply("unauthenticated", str(e)), compat_hash)
+    except IncompatiblePeerError as e:
+        reply = wire.ErrorReply("incompatible", str(e))
+    except KVConnectorError as e:
+        reply = wire.ErrorReply("bad_request", str(e))
+    except Exception as e:  # a bug must not kill the listener thread (vLLM's built-in hangs then)
+        _limited.exception("handler", "side channel handler failed")
+        reply = wire.ErrorReply("internal", f"{type(e).__name__}: {e}")
+    return wire.seal(wire.encode(reply, compat_hash), secret)
 
 
 class SideChannelServer:
@@ -74,30 +101,6 @@ class SideChannelServer:
         self._thread.start()
         logger.info("side channel listening on %s", self.address)
 
-    def _answer(self, data: bytes) -> bytes:
-        try:
-            try:
-                frame = wire.unseal(data, self._secret)
-            except UnauthenticatedPeerError:
-                if not wire.is_stats_request(data):  # monitoring may read counters without the secret
-                    raise
-                frame = data
-            # Every request but a handshake (compared field by field by the handler) and stats
-            # must carry our compatibility hash: a peer that never hand-shook cannot claim or push.
-            body = wire.decode(frame, expected_hash=self.compat_hash, unchecked=wire.SERVER_UNCHECKED)
-            reply = self._handler(body)
-        except UnauthenticatedPeerError as e:
-            _limited.warning("auth", "side channel: refused a message: %s", e)
-            return wire.encode(wire.ErrorReply("unauthenticated", str(e)), self.compat_hash)
-        except IncompatiblePeerError as e:
-            reply = wire.ErrorReply("incompatible", str(e))
-        except KVConnectorError as e:
-            reply = wire.ErrorReply("bad_request", str(e))
-        except Exception as e:  # a bug must not kill the listener thread (vLLM's built-in hangs then)
-            _limited.exception("handler", "side channel handler failed")
-            reply = wire.ErrorReply("internal", f"{type(e).__name__}: {e}")
-        return wire.seal(wire.encode(reply, self.compat_hash), self._secret)
-
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -106,7 +109,7 @@ class SideChannelServer:
                 if not poller.poll(_POLL_MS):
                     continue
                 ident, _empty, frame = self._sock.recv_multipart()
-                self._sock.send_multipart([ident, b"", self._answer(frame)])
+                self._sock.send_multipart([ident, b"", answer(frame, self.compat_hash, self._handler, self._secret)])
             except zmq.ZMQError:
                 if self._stop.is_set():
                     break
@@ -149,16 +152,20 @@ def _exchange(
         sock.send(wire.seal(wire.encode(body, compat_hash), secret))
         if not sock.poll(int(timeout_s * 1000)):
             raise HandshakeError(f"no answer from side channel {address} within {timeout_s:g} s (peer down?)")
-        reply = _reply(sock.recv(), body, compat_hash, secret, address)
+        data = sock.recv()
     except zmq.ZMQError as e:
         raise HandshakeError(f"side channel {address}: {e.strerror}") from e
-    if isinstance(reply, wire.ErrorReply):
-        if reply.code == "incompatible":
-            raise IncompatiblePeerError(f"incompatible peer (server) at {address}: {reply.message}")
-        if reply.code == "unauthenticated":
-            raise UnauthenticatedPeerError(f"peer at {address} refused our message: {reply.message}")
-        raise HandshakeError(f"peer at {address} refused: {reply.message}")
-    return reply
+    return reply_of(data, body, compat_hash, secret, address)
+
+
+class Client(Protocol):
+    """What the engine needs of a side-channel client (SideChannelClient; the memory fabric's in tests)."""
+
+    def submit(
+        self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
+    ) -> concurrent.futures.Future[wire.Body]: ...
+
+    def close(self) -> None: ...
 
 
 class SideChannelClient:
@@ -209,7 +216,19 @@ class SideChannelClient:
         # left to the garbage collector, with LINGER 0.
 
 
-def _reply(data: bytes, body: wire.Body, compat_hash: str, secret: bytes | None, address: str) -> wire.Body:
+def reply_of(data: bytes, body: wire.Body, compat_hash: str, secret: bytes | None, address: str) -> wire.Body:
+    """The answer to `body`, checked; ErrorReply answers become typed errors."""
+    reply = _decode_reply(data, body, compat_hash, secret, address)
+    if isinstance(reply, wire.ErrorReply):
+        if reply.code == "incompatible":
+            raise IncompatiblePeerError(f"incompatible peer (server) at {address}: {reply.message}")
+        if reply.code == "unauthenticated":
+            raise UnauthenticatedPeerError(f"peer at {address} refused our message: {reply.message}")
+        raise HandshakeError(f"peer at {address} refused: {reply.message}")
+    return reply
+
+
+def _decode_reply(data: bytes, body: wire.Body, compat_hash: str, secret: bytes | None, address: str) -> wire.Body:
     """Decode an answer; a server refusing our authentication answers unsealed, and says why."""
     expected = compat_hash if compat_hash else None
     try:

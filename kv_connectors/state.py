@@ -18,7 +18,6 @@ class _Lease:
     request_id: str  # vLLM's id of P's request: what is reported when the blocks may be freed
     block_ids: tuple[int, ...]
     deadline: float
-    held: bool = False  # a write from these blocks is in flight: never expires (the write has its own deadline)
     claims: dict[str, float] = dataclasses.field(default_factory=dict)  # consumer engine id -> claim deadline
 
 
@@ -84,7 +83,7 @@ class SendLeases:
     def hold(self, key: str) -> None:
         """Never expire while a write from these blocks is in flight (the write has its own deadline)."""
         with self._lock:
-            self._leases[key].held = True
+            self._leases[key].deadline = float("inf")
 
     def claim(self, key: str, consumer: str, block_ids: tuple[int, ...], now: float, hold_s: float) -> Claim:
         """A consumer reads block_ids of the lease under key: hold them for it until now + hold_s."""
@@ -138,19 +137,15 @@ class SendLeases:
                 self._finished_keys.add(key)
                 self.completed += 1
             elif key not in self._finished_keys and key not in self._gone:
-                self._early[key] = now
-                while len(self._early) > self._gone_cap:  # bounded: keys come from peers
-                    del self._early[next(iter(self._early))]
+                _put_bounded(self._early, key, now, self._gone_cap)  # keys come from peers
 
     def _end(self, key: str, why: str) -> None:
-        self._gone[key] = why
-        while len(self._gone) > self._gone_cap:
-            del self._gone[next(iter(self._gone))]
+        _put_bounded(self._gone, key, why, self._gone_cap)
 
     def take_finished(self, now: float) -> tuple[set[str], set[str]]:
         """(completed, expired) request ids since the last call; both are to be freed."""
         with self._lock:
-            expired_keys = [k for k, lease in self._leases.items() if not lease.held and lease.deadline <= now]
+            expired_keys = [k for k, lease in self._leases.items() if lease.deadline <= now]
             expired = set()
             for key in expired_keys:
                 expired.add(self._leases.pop(key).request_id)
@@ -171,6 +166,13 @@ class SendLeases:
     def held_blocks(self) -> int:
         with self._lock:
             return sum(len(lease.block_ids) for lease in self._leases.values())
+
+
+def _put_bounded(d: dict[str, Any], key: str, value: Any, cap: int) -> None:
+    """d[key] = value, dropping the oldest entries beyond cap (dicts keep insertion order)."""
+    d[key] = value
+    while len(d) > cap:
+        del d[next(iter(d))]
 
 
 class RecvPhase(enum.Enum):

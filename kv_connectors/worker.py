@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -56,15 +56,13 @@ class WorkerEngine:
         transport_label: str = "",
         *,
         serve: ServerFactory = sidechannel.SideChannelServer,
-        client: Any = None,
+        client: sidechannel.Client | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg
         self.epoch = uuid.uuid4().hex[:16]  # this start of the engine: peers tell restarts apart by it
         self._serve = serve
-        self._client = client if client is not None else sidechannel.SideChannelClient(
-            secret=cfg.side_channel_secret
-        )
+        self._client: sidechannel.Client = client or sidechannel.SideChannelClient(secret=cfg.side_channel_secret)
         self._clock = clock
         self._transport_label = transport_label
         self._rank = rank
@@ -78,6 +76,7 @@ class WorkerEngine:
         self._renewer: Renewer | None = None
         self._stats = wire.StatsReply(cfg.engine_id, 0, 0, 0, 0)
         self._local_metadata = b""
+        self._hash = ""  # the compatibility hash, once registered
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
         self._staging: StagedTransport | None = None
 
@@ -107,7 +106,7 @@ class WorkerEngine:
         # Both peers must move data the same way (same engine; staged or not).
         kind_of_transfer = self._transport_label + ("+staging" if self._staging is not None else "")
         compat = msgspec.structs.replace(compat, transport=kind_of_transfer)
-        server.compat_hash = compat.hash()
+        self._hash = server.compat_hash = compat.hash()
         self._layout, self._compat, self._transport = layout, compat, transport
         # Fixed once the memory is registered; read here so that the side-channel thread never calls
         # into the engine (NIXL agents are not thread-safe, and a long post on the engine thread
@@ -121,12 +120,12 @@ class WorkerEngine:
         layers = layer_regions if self._staging is None and self._cfg.layerwise else None
         self._sender = Sender(self._cfg, transport, layout, compat, layers, clock=self._clock, epoch=self.epoch)
         self._renewer = Renewer(
-            self._cfg.engine_id, compat.hash(), self._client, self._cfg.handshake_timeout_s, self._clock
+            self._cfg.engine_id, self._hash, self._client, self._cfg.handshake_timeout_s, self._clock
         )
         self._server = server  # last: the handler answers only once everything above exists
         logger.info(
             "KV cache registered: %d blocks x %d bytes in %d regions, compat hash %s",
-            layout.num_blocks, layout.block_bytes, len(layout.regions), compat.hash(),
+            layout.num_blocks, layout.block_bytes, len(layout.regions), self._hash,
         )
 
     def _registered_transport(self, layout: KVLayout, kind: MemoryKind, device_id: int) -> Transport:
@@ -179,7 +178,7 @@ class WorkerEngine:
             return self._sender.on_renew(body)
         if not isinstance(body, wire.HandshakeRequest):
             return wire.ErrorReply("bad_request", f"unexpected {type(body).__name__}")
-        if body.compat.hash() != self._compat.hash():
+        if body.compat.hash() != self._hash:
             diff = self._compat.diff(body.compat, mine="server", theirs="client")
             logger.error("refused incompatible peer %s: %s", body.engine_id, diff)
             return wire.ErrorReply("incompatible", diff)
@@ -238,7 +237,7 @@ class WorkerEngine:
         assert self._receiver is not None and self._sender is not None and self._transport is not None
         for _agent, msg in self._transport.get_notifs():
             try:
-                body = wire.decode(msg, self._compat.hash() if self._compat else None)
+                body = wire.decode(msg, self._hash)
             except KVConnectorError as e:
                 _limited.warning("notif", "dropped a bad notification: %s", e)
                 continue
@@ -248,8 +247,8 @@ class WorkerEngine:
                 self._notices.append(body)
         self._receiver.progress()
         self._sender.progress()
-        if self._renewer is not None:
-            self._renewer.progress()
+        assert self._renewer is not None
+        self._renewer.progress()
 
     def before_forward(self, meta: StepMetadata) -> None:
         """Layer-wise pushes for prefills the coming forward pass completes, where D already asked."""

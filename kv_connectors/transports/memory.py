@@ -13,11 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from kv_connectors import wire
+from kv_connectors import sidechannel, wire
 from kv_connectors.errors import (
     HandshakeError,
-    IncompatiblePeerError,
-    KVConnectorError,
     PeerDisconnectedError,
     SideChannelBindError,
     TransportError,
@@ -69,14 +67,7 @@ class MemoryServer:
 
     def answer(self, frame: bytes) -> bytes:
         """What SideChannelServer does with one frame, without the socket."""
-        try:
-            body = wire.decode(frame, expected_hash=self.compat_hash, unchecked=wire.SERVER_UNCHECKED)
-            reply = self.handler(body)
-        except IncompatiblePeerError as e:
-            reply = wire.ErrorReply("incompatible", str(e))
-        except KVConnectorError as e:
-            reply = wire.ErrorReply("bad_request", str(e))
-        return wire.encode(reply, self.compat_hash)
+        return sidechannel.answer(frame, self.compat_hash, self.handler)
 
     def close(self) -> None:
         self.fabric.servers.pop((self.host, self.port), None)
@@ -107,12 +98,8 @@ class MemoryClient:
         server = self._fabric.servers.get((host, port))
         if server is None or f"{host}:{port}" in self._fabric.dead:
             raise HandshakeError(f"no answer from side channel {host}:{port} (peer down?)")
-        reply = wire.decode(server.answer(wire.encode(body, compat_hash)), compat_hash or None)
-        if isinstance(reply, wire.ErrorReply):
-            if reply.code == "incompatible":
-                raise IncompatiblePeerError(f"incompatible peer (server) at {host}:{port}: {reply.message}")
-            raise HandshakeError(f"peer at {host}:{port} refused: {reply.message}")
-        return reply
+        return sidechannel.reply_of(server.answer(wire.encode(body, compat_hash)), body, compat_hash, None,
+                                    f"{host}:{port}")
 
     def close(self) -> None:
         pass
