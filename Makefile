@@ -36,6 +36,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kv_connectors tests benchmarks examples
+	$(VENV)/bin/ruff format --check kv_connectors tests benchmarks examples
 	$(VENV)/bin/mypy
 
 test: lint

@@ -61,9 +61,22 @@ EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 BUILTIN_BYTES = "vllm:nixl_bytes_transferred_sum"
 BUILTIN_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
 STATS_SETTLE_S = 10.0
-FIGURE_KEYS = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_mean_ms", "e2e_p50_ms", "output_tok_s",
-               "output_tokens", "wall_s", "first_chunk_tokens_mean", "ttft_by_length_ms", "e2e_by_length_ms",
-               "kv_bytes", "kv_seconds", "gbps")
+FIGURE_KEYS = (
+    "ttft_mean_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "e2e_mean_ms",
+    "e2e_p50_ms",
+    "output_tok_s",
+    "output_tokens",
+    "wall_s",
+    "first_chunk_tokens_mean",
+    "ttft_by_length_ms",
+    "e2e_by_length_ms",
+    "kv_bytes",
+    "kv_seconds",
+    "gbps",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +95,7 @@ class Workload:
         return sum(len(p) for p in self.prompts)
 
 
-def make_workload(lengths: Sequence[int], repeats: int, seed: int, max_tokens: int, concurrency: int,
-                  timeout_s: float) -> Workload:
+def make_workload(lengths: Sequence[int], repeats: int, seed: int, max_tokens: int, concurrency: int, timeout_s: float) -> Workload:
     """`repeats` rounds over `lengths`; every prompt distinct, so no prefix-cache hit on any server."""
     order = [n for _ in range(repeats) for n in lengths]
     prompts = tuple(tuple(p) for p in make_prompts(order, seed=seed))
@@ -93,19 +105,33 @@ def make_workload(lengths: Sequence[int], repeats: int, seed: int, max_tokens: i
 
 def failed_entry(description: str, error: str, notes: Sequence[str] = (), **extra: Any) -> dict[str, Any]:
     """A configuration without figures (every figure None): it failed to start, errored or mismatched."""
-    return {"ok": False, "error": error, "description": description, "notes": list(notes),
-            **{k: None for k in FIGURE_KEYS}, **extra}
+    return {
+        "ok": False,
+        "error": error,
+        "description": description,
+        "notes": list(notes),
+        **{k: None for k in FIGURE_KEYS},
+        **extra,
+    }
 
 
-def evaluate(results: Sequence[Sample | RequestFailed], wall_s: float, reference: Sequence[tuple[int, ...]] | None,
-             lengths: Sequence[int]) -> tuple[dict[str, Any] | None, str | None, dict[str, Any]]:
+def evaluate(
+    results: Sequence[Sample | RequestFailed], wall_s: float, reference: Sequence[tuple[int, ...]] | None, lengths: Sequence[int]
+) -> tuple[dict[str, Any] | None, str | None, dict[str, Any]]:
     """(figures, error, details): figures only if every request answered and matched the reference."""
     failures = [(lengths[i], str(r)) for i, r in enumerate(results) if isinstance(r, RequestFailed)]
     samples = [r for r in results if isinstance(r, Sample)]
-    mismatches = [lengths[i] for i, r in enumerate(results)
-                  if isinstance(r, Sample) and reference is not None and r.output_ids != reference[i]]
-    details = {"requests": len(results), "failed_requests": len(failures), "mismatches": len(mismatches),
-               "mismatch_lengths": mismatches}
+    mismatches = [
+        lengths[i]
+        for i, r in enumerate(results)
+        if isinstance(r, Sample) and reference is not None and r.output_ids != reference[i]
+    ]
+    details = {
+        "requests": len(results),
+        "failed_requests": len(failures),
+        "mismatches": len(mismatches),
+        "mismatch_lengths": mismatches,
+    }
     if failures:
         return None, f"{len(failures)} of {len(results)} requests failed, first (length, error): {failures[0]}", details
     if mismatches:
@@ -121,8 +147,7 @@ def run_colocated(settings: ServerSettings, workload: Workload) -> tuple[dict[st
     try:
         with colocated_server(settings) as server:
             run_load(server.url, workload.warmup, workload.max_tokens, 1, workload.timeout_s)
-            results, wall = run_load(server.url, workload.prompts, workload.max_tokens, workload.concurrency,
-                                     workload.timeout_s)
+            results, wall = run_load(server.url, workload.prompts, workload.max_tokens, workload.concurrency, workload.timeout_s)
     except RuntimeError as e:
         return failed_entry(desc, f"colocated server: {e}"), None
     figures, error, details = evaluate(results, wall, None, lengths)
@@ -130,10 +155,12 @@ def run_colocated(settings: ServerSettings, workload: Workload) -> tuple[dict[st
         return failed_entry(desc, error or "", **details), None
     reference = [r.output_ids for r in results if isinstance(r, Sample)]
     if len(set(reference)) < max(2, len(reference) // 2) and len(reference) > 2:
-        logger.warning("colocated outputs are near-constant (%d distinct of %d): a broken transfer could go unseen",
-                       len(set(reference)), len(reference))
-    return {"ok": True, "error": None, "description": desc, "notes": [], **details, **figures,
-            **kv_figures(None, None)}, reference
+        logger.warning(
+            "colocated outputs are near-constant (%d distinct of %d): a broken transfer could go unseen",
+            len(set(reference)),
+            len(reference),
+        )
+    return {"ok": True, "error": None, "description": desc, "notes": [], **details, **figures, **kv_figures(None, None)}, reference
 
 
 def kv_counters(cfg: PdConfig, d: VllmServer) -> dict[str, float | None]:
@@ -143,15 +170,20 @@ def kv_counters(cfg: PdConfig, d: VllmServer) -> dict[str, float | None]:
         s = stats(d)
         out.update(bytes=s.recv_bytes, seconds=s.recv_seconds, transfers=s.recv_transfers, failures=s.recv_failures)
     elif cfg.kv_source == "metrics":  # ours, any release: the kvc:* counters on /metrics (no side-channel query)
-        out.update(bytes=metric(d.url, "kvc:recv_bytes_total"), seconds=metric(d.url, "kvc:transfer_seconds_sum"),
-                   transfers=metric(d.url, "kvc:recv_transfers_total"), failures=metric(d.url, "kvc:recv_failures_total"))
+        out.update(
+            bytes=metric(d.url, "kvc:recv_bytes_total"),
+            seconds=metric(d.url, "kvc:transfer_seconds_sum"),
+            transfers=metric(d.url, "kvc:recv_transfers_total"),
+            failures=metric(d.url, "kvc:recv_failures_total"),
+        )
     else:
         out.update(bytes=metric(d.url, BUILTIN_BYTES, missing_ok=True), seconds=metric(d.url, BUILTIN_SECONDS, missing_ok=True))
     return out
 
 
-def settled_counters(cfg: PdConfig, d: VllmServer, expected_tokens: float, before: dict[str, float | None]
-                     ) -> dict[str, float | None]:
+def settled_counters(
+    cfg: PdConfig, d: VllmServer, expected_tokens: float, before: dict[str, float | None]
+) -> dict[str, float | None]:
     """Counters after the run; vLLM publishes connector stats with the next engine step, so wait briefly."""
     deadline = time.monotonic() + STATS_SETTLE_S
     while True:
@@ -164,16 +196,19 @@ def settled_counters(cfg: PdConfig, d: VllmServer, expected_tokens: float, befor
         time.sleep(0.2)
 
 
-def kv_check(cfg: PdConfig, before: dict[str, float | None], after: dict[str, float | None],
-             workload: Workload) -> tuple[dict[str, Any], str | None]:
+def kv_check(
+    cfg: PdConfig, before: dict[str, float | None], after: dict[str, float | None], workload: Workload
+) -> tuple[dict[str, Any], str | None]:
     """KV figures and whether D really loaded the prompts (external tokens, and our transfer count)."""
     delta = {k: None if before[k] is None or after[k] is None else after[k] - before[k] for k in after}
     n = len(workload.prompts)
     error = None
     # D recomputes the last prompt token itself; a block-granular connector may also leave a partial block.
     if (delta["external_tokens"] or 0) < workload.prompt_tokens // 2:
-        error = (f"D took {delta['external_tokens']:.0f} of {workload.prompt_tokens} prompt tokens from outside: "
-                 "it recomputed instead of loading the KV")
+        error = (
+            f"D took {delta['external_tokens']:.0f} of {workload.prompt_tokens} prompt tokens from outside: "
+            "it recomputed instead of loading the KV"
+        )
     elif cfg.kv_source in ("connector", "metrics") and (delta["transfers"] != n or delta["failures"]):
         error = f"D loaded {delta['transfers']} of {n} prompts ({delta['failures']} failed loads)"
     kv_bytes = None if not delta["bytes"] else int(delta["bytes"])
@@ -182,8 +217,7 @@ def kv_check(cfg: PdConfig, before: dict[str, float | None], after: dict[str, fl
     return figures, error
 
 
-def start_pair(stack: contextlib.ExitStack, cfg: PdConfig, settings: ServerSettings) -> tuple[VllmServer, VllmServer,
-                                                                                             ProxyProcess]:
+def start_pair(stack: contextlib.ExitStack, cfg: PdConfig, settings: ServerSettings) -> tuple[VllmServer, VllmServer, ProxyProcess]:
     """P and D started together (each stopped by the stack, whatever happens), then the proxy."""
     p, d = cfg.build(settings)
     for server in (p, d):
@@ -198,8 +232,7 @@ def start_pair(stack: contextlib.ExitStack, cfg: PdConfig, settings: ServerSetti
     return p, d, proxy
 
 
-def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, reference: Sequence[tuple[int, ...]]
-           ) -> dict[str, Any]:
+def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, reference: Sequence[tuple[int, ...]]) -> dict[str, Any]:
     """One configuration: start P, D and the proxy, warm up, run the prompt set through the proxy, stop all."""
     lengths = [len(p) for p in workload.prompts]
     t0 = time.monotonic()
@@ -210,11 +243,9 @@ def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, referenc
             warm, _ = run_load(proxy.url, workload.warmup, workload.max_tokens, 1, workload.timeout_s)
             bad = [str(r) for r in warm if isinstance(r, RequestFailed)]
             if bad:
-                return failed_entry(cfg.description, f"warm-up request failed: {bad[0]} (D log {d.log_path})",
-                                    cfg.notes)
+                return failed_entry(cfg.description, f"warm-up request failed: {bad[0]} (D log {d.log_path})", cfg.notes)
             before = kv_counters(cfg, d)
-            results, wall = run_load(proxy.url, workload.prompts, workload.max_tokens, workload.concurrency,
-                                     workload.timeout_s)
+            results, wall = run_load(proxy.url, workload.prompts, workload.max_tokens, workload.concurrency, workload.timeout_s)
             after = settled_counters(cfg, d, workload.prompt_tokens // 2, before)
     except RuntimeError as e:
         return failed_entry(cfg.description, f"start-up or stats failed: {e}", cfg.notes)
@@ -223,8 +254,7 @@ def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, referenc
     error = error or kv_error
     if figures is None or error:
         return failed_entry(cfg.description, error or "", cfg.notes, **details)
-    return {"ok": True, "error": None, "description": cfg.description, "notes": list(cfg.notes), **details,
-            **figures, **kv}
+    return {"ok": True, "error": None, "description": cfg.description, "notes": list(cfg.notes), **details, **figures, **kv}
 
 
 def machine() -> str:
@@ -241,8 +271,10 @@ def machine() -> str:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions.append(f"{dist} {metadata.version(dist)}")
     load = os.getloadavg()[0]
-    return (f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, load {load:.1f}, Python "
-            f"{platform.python_version()}; {', '.join(versions)}")
+    return (
+        f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, load {load:.1f}, Python "
+        f"{platform.python_version()}; {', '.join(versions)}"
+    )
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -254,12 +286,18 @@ def parse_lengths(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                    help=f"comma-separated, from: {', '.join(CONFIGS)} (colocated always runs)")
-    ap.add_argument("--model-size", choices=MODEL_SIZES, default="tiny",
-                    help="random-weight Llama built locally: tiny (2 MB), small (~88 MB), medium (~346 MB)")
-    ap.add_argument("--lengths", default=None,
-                    help="prompt lengths in tokens (default: 128..1024 for tiny, 128..2048 for small/medium)")
+    ap.add_argument(
+        "--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)} (colocated always runs)"
+    )
+    ap.add_argument(
+        "--model-size",
+        choices=MODEL_SIZES,
+        default="tiny",
+        help="random-weight Llama built locally: tiny (2 MB), small (~88 MB), medium (~346 MB)",
+    )
+    ap.add_argument(
+        "--lengths", default=None, help="prompt lengths in tokens (default: 128..1024 for tiny, 128..2048 for small/medium)"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="distinct prompts per length")
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     ap.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (greedy, ignore_eos)")
@@ -291,8 +329,16 @@ def plot(results: dict[str, dict[str, Any]], path: str, title: str, note: str) -
     if not series:
         print(f"no configuration has figures: {path} not drawn")
         return
-    out = line_plot(series, path, title=title, xlabel="prompt length (tokens)", ylabel="mean TTFT (ms, log scale)",
-                    logx=True, logy=True, note=note)
+    out = line_plot(
+        series,
+        path,
+        title=title,
+        xlabel="prompt length (tokens)",
+        ylabel="mean TTFT (ms, log scale)",
+        logx=True,
+        logy=True,
+        note=note,
+    )
     print(f"plot: {out}")
 
 
@@ -300,22 +346,25 @@ def run(args: argparse.Namespace, host: str) -> dict[str, dict[str, Any]]:
     lengths = args.length_list
     model = build_tiny_model(variant=args.model_size)
     settings = settings_for(model, args.model_size, max(lengths), args.max_tokens, args.concurrency)
-    workload = make_workload(lengths, args.repeats, args.seed, args.max_tokens, args.concurrency,
-                             args.request_timeout_s)
+    workload = make_workload(lengths, args.repeats, args.seed, args.max_tokens, args.concurrency, args.request_timeout_s)
     print(f"bench_e2e {datetime.datetime.now().isoformat(timespec='seconds')} on {host}")
-    print(f"model {args.model_size} ({weight_bytes(args.model_size) / 1e6:.0f} MB float32 weights, "
-          f"{kv_bytes_per_token(args.model_size) // 1024} KiB KV/token, {max_positions(args.model_size)} positions), "
-          f"max_model_len {settings.max_model_len}, KV cache {settings.kv_cache_bytes >> 20} MiB per server")
-    print(f"prompts: lengths {lengths} x {args.repeats} (seed {args.seed}), {args.max_tokens} output tokens, "
-          f"concurrency {args.concurrency}; configs: colocated, {', '.join(args.config_names)}", flush=True)
+    print(
+        f"model {args.model_size} ({weight_bytes(args.model_size) / 1e6:.0f} MB float32 weights, "
+        f"{kv_bytes_per_token(args.model_size) // 1024} KiB KV/token, {max_positions(args.model_size)} positions), "
+        f"max_model_len {settings.max_model_len}, KV cache {settings.kv_cache_bytes >> 20} MiB per server"
+    )
+    print(
+        f"prompts: lengths {lengths} x {args.repeats} (seed {args.seed}), {args.max_tokens} output tokens, "
+        f"concurrency {args.concurrency}; configs: colocated, {', '.join(args.config_names)}",
+        flush=True,
+    )
     results: dict[str, dict[str, Any]] = {}
     results[COLOCATED], reference = run_colocated(settings, workload)
     print(f"{COLOCATED}: {'ok' if results[COLOCATED]['ok'] else results[COLOCATED]['error']}", flush=True)
     for name in args.config_names:
         cfg = CONFIGS[name]
         if reference is None:
-            results[name] = failed_entry(cfg.description, "no colocated reference to check outputs against",
-                                         cfg.notes)
+            results[name] = failed_entry(cfg.description, "no colocated reference to check outputs against", cfg.notes)
             continue
         results[name] = run_pd(cfg, settings, workload, reference)
         print(f"{name}: {'ok' if results[name]['ok'] else results[name]['error']}", flush=True)
@@ -350,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     report(results, args)
     if args.plot:
         day = datetime.date.today().isoformat()
-        plot(results, args.plot, f"TTFT vs prompt length, {args.model_size} model, concurrency {args.concurrency}",
-             f"{day}; {host}")
+        plot(
+            results, args.plot, f"TTFT vs prompt length, {args.model_size} model, concurrency {args.concurrency}", f"{day}; {host}"
+        )
     if args.json:
         print(json.dumps(results), flush=True)
     return 0 if all(r["ok"] for r in results.values()) else 1

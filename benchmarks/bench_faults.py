@@ -66,10 +66,10 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from: {', '.join(SCENARIOS)}")
-    ap.add_argument("--connectors", default=",".join(CONNECTOR_NAMES),
-                    help=f"comma-separated, from: {', '.join(CONNECTOR_NAMES)}")
-    ap.add_argument("--deadline-s", type=float, default=60.0,
-                    help="longest wait for each outcome; past it the outcome is reported as '> N s'")
+    ap.add_argument("--connectors", default=",".join(CONNECTOR_NAMES), help=f"comma-separated, from: {', '.join(CONNECTOR_NAMES)}")
+    ap.add_argument(
+        "--deadline-s", type=float, default=60.0, help="longest wait for each outcome; past it the outcome is reported as '> N s'"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=200, help="prompt length (P holds its blocks for D)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--verbose", action="store_true", help="log server start-up and stops")
@@ -94,12 +94,12 @@ def run_scenario(name: str, pair: Pair) -> Outcome:
         pair.retire_p()  # in an unknown state
         outcome = Outcome(Kind.ERROR, None, " ".join(f"{type(e).__name__}: {e}".split())[:400])
     wall = round(time.monotonic() - t0, 1)
-    return Outcome(outcome.kind, outcome.seconds, outcome.detail, {**outcome.data, "scenario_wall_s": wall},
-                   outcome.tag)
+    return Outcome(outcome.kind, outcome.seconds, outcome.detail, {**outcome.data, "scenario_wall_s": wall}, outcome.tag)
 
 
-def run_connector(connector: Connector, settings: ServerSettings, names: Sequence[str], deadline_s: float,
-                  prompt_tokens: int) -> dict[str, Outcome]:
+def run_connector(
+    connector: Connector, settings: ServerSettings, names: Sequence[str], deadline_s: float, prompt_tokens: int
+) -> dict[str, Outcome]:
     """Every chosen scenario on one connector; its servers are all stopped when this returns."""
     results: dict[str, Outcome] = {}
     with contextlib.ExitStack() as stack:
@@ -111,8 +111,7 @@ def run_connector(connector: Connector, settings: ServerSettings, names: Sequenc
     return results
 
 
-def table(results: dict[str, dict[str, Outcome]], scenarios: Sequence[str], conns: Sequence[str],
-          deadline_s: float) -> str:
+def table(results: dict[str, dict[str, Outcome]], scenarios: Sequence[str], conns: Sequence[str], deadline_s: float) -> str:
     rows = [["scenario", *conns]]
     rows += [[s, *(results[c][s].cell(deadline_s) for c in conns)] for s in scenarios]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -133,14 +132,24 @@ def report(results: dict[str, dict[str, Outcome]], args: argparse.Namespace, con
         print(f"note ({c}): {conns[c].description}; default lease {lease.seconds} s from {lease.source}")
 
 
-def to_json(results: dict[str, dict[str, Outcome]], args: argparse.Namespace, conns: dict[str, Connector],
-            host: str, wall_s: float) -> dict[str, Any]:
+def to_json(
+    results: dict[str, dict[str, Outcome]], args: argparse.Namespace, conns: dict[str, Connector], host: str, wall_s: float
+) -> dict[str, Any]:
     return {
-        "deadline_s": args.deadline_s, "prompt_tokens": args.prompt_tokens, "max_tokens": MAX_TOKENS,
+        "deadline_s": args.deadline_s,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": MAX_TOKENS,
         "d_max_num_seqs": D_MAX_NUM_SEQS,
-        "host": host, "wall_s": round(wall_s, 1),
-        "connectors": {c: {"description": conns[c].description, "lease_default_s": conns[c].lease.seconds,
-                           "lease_source": conns[c].lease.source} for c in args.connector_names},
+        "host": host,
+        "wall_s": round(wall_s, 1),
+        "connectors": {
+            c: {
+                "description": conns[c].description,
+                "lease_default_s": conns[c].lease.seconds,
+                "lease_source": conns[c].lease.source,
+            }
+            for c in args.connector_names
+        },
         "results": {s: {c: results[c][s].to_json() for c in args.connector_names} for s in args.scenario_names},
     }
 
@@ -157,18 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     conns = connectors()
     model = build_tiny_model()
     # Long enough for d-aborted's busy request on D (and for the prompt plus its output).
-    settings = settings_for(model, "tiny", max(args.prompt_tokens, BUSY_PROMPT_TOKENS),
-                            max(MAX_TOKENS, BUSY_MIN_TOKENS), 1)
+    settings = settings_for(model, "tiny", max(args.prompt_tokens, BUSY_PROMPT_TOKENS), max(MAX_TOKENS, BUSY_MIN_TOKENS), 1)
     print(f"bench_faults {datetime.datetime.now().isoformat(timespec='seconds')} on {host}")
-    print(f"tiny model, prompt {args.prompt_tokens} tokens, {MAX_TOKENS} output tokens, deadline {args.deadline_s:g} s; "
-          f"scenarios {', '.join(args.scenario_names)}; connectors {', '.join(args.connector_names)}")
-    print(f"each connector: P and D (module-path form for ours; D with --max-num-seqs {D_MAX_NUM_SEQS}), D loads one "
-          "prompt from every new P before its scenario (a warm pair); a P killed or frozen is replaced")
+    print(
+        f"tiny model, prompt {args.prompt_tokens} tokens, {MAX_TOKENS} output tokens, deadline {args.deadline_s:g} s; "
+        f"scenarios {', '.join(args.scenario_names)}; connectors {', '.join(args.connector_names)}"
+    )
+    print(
+        f"each connector: P and D (module-path form for ours; D with --max-num-seqs {D_MAX_NUM_SEQS}), D loads one "
+        "prompt from every new P before its scenario (a warm pair); a P killed or frozen is replaced"
+    )
     for c in args.connector_names:
         print(f"{c}: default lease {conns[c].lease.seconds} s ({conns[c].lease.source})", flush=True)
     t0 = time.monotonic()
-    results = {c: run_connector(conns[c], settings, args.scenario_names, args.deadline_s, args.prompt_tokens)
-               for c in args.connector_names}
+    results = {
+        c: run_connector(conns[c], settings, args.scenario_names, args.deadline_s, args.prompt_tokens) for c in args.connector_names
+    }
     wall = time.monotonic() - t0
     report(results, args, conns)
     print(f"wall time {wall:.0f} s")

@@ -39,16 +39,27 @@ def _requests(n: int, prompt_len: int, role: str, step: int) -> list[Any]:
     for i in range(n):
         rid = f"s{step}-r{i}"
         if role == "decode":
-            params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": f"p-{rid}",
-                      "remote_host": "127.0.0.1", "remote_port": 5710, "remote_num_tokens": prompt_len,
-                      "remote_block_ids": list(range(i * nblocks, (i + 1) * nblocks))}
+            params = {
+                "do_remote_prefill": True,
+                "remote_engine_id": "P",
+                "remote_request_id": f"p-{rid}",
+                "remote_host": "127.0.0.1",
+                "remote_port": 5710,
+                "remote_num_tokens": prompt_len,
+                "remote_block_ids": list(range(i * nblocks, (i + 1) * nblocks)),
+            }
         else:
             params = {"do_remote_decode": True, "transfer_id": f"kvc-{rid}"}
-        reqs.append(SimpleNamespace(
-            request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(prompt_len)),
-            num_prompt_tokens=prompt_len, status=RequestStatus.FINISHED_LENGTH_CAPPED,
-            block_ids=list(range(i * nblocks, (i + 1) * nblocks)),
-        ))
+        reqs.append(
+            SimpleNamespace(
+                request_id=rid,
+                kv_transfer_params=params,
+                prompt_token_ids=list(range(prompt_len)),
+                num_prompt_tokens=prompt_len,
+                status=RequestStatus.FINISHED_LENGTH_CAPPED,
+                block_ids=list(range(i * nblocks, (i + 1) * nblocks)),
+            )
+        )
         reqs[-1].blocks = _blocks(reqs[-1].block_ids)
     return reqs
 
@@ -59,10 +70,11 @@ def one_step(side: SchedulerSide, reqs: list[Any], role: str) -> float:
     for r in reqs:
         side.get_num_new_matched_tokens(r, 0)
         side.update_state_after_alloc(r, r.blocks, len(r.prompt_token_ids) if role == "decode" else 0)
-    new = [SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, num_computed_tokens=0,
-                           block_ids=(r.block_ids,)) for r in reqs]
-    output = SimpleNamespace(scheduled_new_reqs=new,
-                             num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in reqs})
+    new = [
+        SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, num_computed_tokens=0, block_ids=(r.block_ids,))
+        for r in reqs
+    ]
+    output = SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in reqs})
     side.build_connector_meta(output)
     for r in reqs:
         side.request_finished(r, r.block_ids)

@@ -48,8 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=20, help="requests per P")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--d-first-ms", type=float, default=0.0,
-                    help="send D this much before P (0: at once, as a proxy does)")
+    ap.add_argument("--d-first-ms", type=float, default=0.0, help="send D this much before P (0: at once, as a proxy does)")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args(argv)
 
@@ -60,8 +59,7 @@ async def _one_request(p: VllmServer, d: VllmServer, prompt: list[int], args: ar
     p_body = {"prompt": prompt, "temperature": 0, "max_tokens": 1, "kv_transfer_params": p_params}
     async with httpx.AsyncClient(timeout=120) as client:
         t0 = time.perf_counter()
-        d_task = asyncio.create_task(
-            stream_one(client, d.url, prompt, args.max_tokens, {"kv_transfer_params": d_params}, t0=t0))
+        d_task = asyncio.create_task(stream_one(client, d.url, prompt, args.max_tokens, {"kv_transfer_params": d_params}, t0=t0))
         if args.d_first_ms:
             await asyncio.sleep(args.d_first_ms / 1e3)
         p_resp = await client.post(f"{p.url}/v1/completions", json=p_body)
@@ -81,10 +79,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     p_form, d_form = FORMS[args.transport]
     common = {"max_model_len": args.max_model_len}
     servers = {
-        "on": pd_server(model, "kv_producer", form=p_form, name="P-layerwise", extra_config={"layerwise": True},
-                        **common),
-        "off": pd_server(model, "kv_producer", form=p_form, name="P-whole", extra_config={"layerwise": False},
-                         **common),
+        "on": pd_server(model, "kv_producer", form=p_form, name="P-layerwise", extra_config={"layerwise": True}, **common),
+        "off": pd_server(model, "kv_producer", form=p_form, name="P-whole", extra_config={"layerwise": False}, **common),
     }
     d = pd_server(model, "kv_consumer", form=d_form, name="D", **common)
     prompt = make_prompts([args.length], seed=7)[0]
@@ -102,7 +98,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         after = {k: stats(s) for k, s in servers.items()}
     med = {k: statistics.median(v) * 1e3 for k, v in ttft.items()}
     result = {
-        "transport": args.transport, "length": args.length, "repeats": args.repeats,
+        "transport": args.transport,
+        "length": args.length,
+        "repeats": args.repeats,
         "d_first_ms": args.d_first_ms,
         "ttft_p50_ms": med,
         "ttft_mean_ms": {k: statistics.fmean(v) * 1e3 for k, v in ttft.items()},
@@ -117,14 +115,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     r = run(args)
-    print(f"{args.transport}, {args.length}-token prompt, {args.repeats} requests per P, "
-          f"D sent {args.d_first_ms:g} ms before P")
+    print(f"{args.transport}, {args.length}-token prompt, {args.repeats} requests per P, D sent {args.d_first_ms:g} ms before P")
     print(f"{'P':>4} {'TTFT p50 ms':>12} {'mean ms':>9} {'layer-wise':>11} {'pushes':>7}")
     for k in ("on", "off"):
-        print(f"{k:>4} {r['ttft_p50_ms'][k]:12.1f} {r['ttft_mean_ms'][k]:9.1f} "
-              f"{r['layerwise_pushes'][k]:11d} {r['pushes'][k]:7d}")
-    print(f"TTFT ratio layer-wise / whole (p50): {r['ratio_on_to_off']:.3f}; "
-          f"outputs identical: {r['outputs_identical']}")
+        print(f"{k:>4} {r['ttft_p50_ms'][k]:12.1f} {r['ttft_mean_ms'][k]:9.1f} {r['layerwise_pushes'][k]:11d} {r['pushes'][k]:7d}")
+    print(f"TTFT ratio layer-wise / whole (p50): {r['ratio_on_to_off']:.3f}; outputs identical: {r['outputs_identical']}")
     if args.json:
         print(json.dumps(r))
     return 0 if r["outputs_identical"] else 1

@@ -57,8 +57,11 @@ def manual_pd(client: httpx.Client, p_url: str, d_url: str, body: dict[str, Any]
 
 def summary(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
-    return {"median_ms": statistics.median(ordered) * 1e3, "p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3,
-            "min_ms": ordered[0] * 1e3}
+    return {
+        "median_ms": statistics.median(ordered) * 1e3,
+        "p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3,
+        "min_ms": ordered[0] * 1e3,
+    }
 
 
 def run(requests: int, warmup: int) -> dict[str, Any]:
@@ -104,8 +107,10 @@ def main() -> None:
         s = result[name]
         print(f"  {name:10s} median {s['median_ms']:7.2f} ms  p90 {s['p90_ms']:7.2f} ms  min {s['min_ms']:7.2f} ms")
     print(f"  proxy / direct (colocated) = {result['ratio_proxy_vs_direct']:.2f}")
-    print(f"  proxy / manual P-then-D    = {result['ratio_proxy_vs_manual_pd']:.2f}"
-          f"  (proxy's own overhead {result['proxy_overhead_ms']:.2f} ms)")
+    print(
+        f"  proxy / manual P-then-D    = {result['ratio_proxy_vs_manual_pd']:.2f}"
+        f"  (proxy's own overhead {result['proxy_overhead_ms']:.2f} ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ class Variant:
 def kv_tensors(shape: Shape, device: str) -> list[Any]:
     import torch
 
-    return [torch.empty((shape.num_blocks, KV_HEADS, shape.block_size, HEAD_DIM_X2), dtype=torch.float32,
-                        device=device) for _ in range(shape.layers)]
+    return [
+        torch.empty((shape.num_blocks, KV_HEADS, shape.block_size, HEAD_DIM_X2), dtype=torch.float32, device=device)
+        for _ in range(shape.layers)
+    ]
 
 
 def words(t: Any) -> Any:
@@ -86,8 +88,7 @@ def check(kv: list[Any], src_ids: np.ndarray, dst_ids: np.ndarray) -> str | None
 
 
 def layout_of(kv: list[Any], shape: Shape) -> KVLayout:
-    infos = [TensorInfo(f"layer{i}", t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
-             for i, t in enumerate(kv)]
+    infos = [TensorInfo(f"layer{i}", t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size()) for i, t in enumerate(kv)]
     return build_layout(infos, shape.num_blocks, shape.block_size, block_dim=0)
 
 
@@ -199,14 +200,24 @@ def run_variant(variant: Variant, shape: Shape, pool_bytes: int, args: argparse.
             raise RuntimeError(err)
         secs += [run_xfer(transport, plan, push, poll_s) for _ in range(args.repeat - 1)]
         gbps = [plan.total_bytes / s / 1e9 for s in secs]
-        out = {"variant": variant.name, "staged": variant.staged, "descriptors": plan.num_runs,
-               "bytes": plan.total_bytes, "gbps": round(statistics.median(gbps), 3),
-               "gbps_best": round(max(gbps), 3), "xfer_ms": round(statistics.median(secs) * 1e3, 3),
-               "verified": True}
+        out = {
+            "variant": variant.name,
+            "staged": variant.staged,
+            "descriptors": plan.num_runs,
+            "bytes": plan.total_bytes,
+            "gbps": round(statistics.median(gbps), 3),
+            "gbps_best": round(max(gbps), 3),
+            "xfer_ms": round(statistics.median(secs) * 1e3, 3),
+            "verified": True,
+        }
         if variant.staged:
             stats = transport.pool_stats()  # type: ignore[attr-defined]
-            out.update(chunk_kib=variant.chunk_kib, pool_bytes=stats["allocated_bytes"],
-                       peak_slots=stats["peak_slots_in_use"], slots=stats["slots"])
+            out.update(
+                chunk_kib=variant.chunk_kib,
+                pool_bytes=stats["allocated_bytes"],
+                peak_slots=stats["peak_slots_in_use"],
+                slots=stats["slots"],
+            )
         ask(parent, ("stop",), "stop")
         return out
     finally:
@@ -260,16 +271,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r["ratio_to_direct"] = round(r["gbps"] / direct, 3)
             if r.get("pool_bytes"):
                 r["pool_fraction_of_kv"] = round(r["pool_bytes"] / kv_bytes, 4)
-    return {"device": args.device, "transport": args.transport, "mode": args.mode, "order": args.order,
-            "size_mib": args.size_mib, "block_kib": args.block_kib, "layers": args.layers,
-            "kv_bytes": kv_bytes, "copy_gbps": round(copy, 3),
-            "copy": "one contiguous same-device tensor copy (host memcpy or CUDA device-to-device)",
-            "variants": results}
+    return {
+        "device": args.device,
+        "transport": args.transport,
+        "mode": args.mode,
+        "order": args.order,
+        "size_mib": args.size_mib,
+        "block_kib": args.block_kib,
+        "layers": args.layers,
+        "kv_bytes": kv_bytes,
+        "copy_gbps": round(copy, 3),
+        "copy": "one contiguous same-device tensor copy (host memcpy or CUDA device-to-device)",
+        "variants": results,
+    }
 
 
 def report(r: dict[str, Any]) -> None:
-    print(f"{r['transport']} {r['mode']} on {r['device']} KV, {r['order']}: {r['size_mib']} MiB in "
-          f"{r['block_kib']} KiB blocks, {r['layers']} layers; same-device copy {r['copy_gbps']:.2f} GB/s")
+    print(
+        f"{r['transport']} {r['mode']} on {r['device']} KV, {r['order']}: {r['size_mib']} MiB in "
+        f"{r['block_kib']} KiB blocks, {r['layers']} layers; same-device copy {r['copy_gbps']:.2f} GB/s"
+    )
     print(f"{'variant':<16} {'GB/s':>8} {'of direct':>10} {'of copy':>8} {'pool/KV':>8} {'peak slots':>11}")
     for v in r["variants"].values():
         if "error" in v:
@@ -277,8 +298,10 @@ def report(r: dict[str, Any]) -> None:
             continue
         frac = f"{v['pool_fraction_of_kv']:.3f}" if v.get("pool_fraction_of_kv") else "-"
         peak = f"{v['peak_slots']}/{v['slots']}" if v.get("slots") else "-"
-        print(f"{v['variant']:<16} {v['gbps']:>8.2f} {v.get('ratio_to_direct', float('nan')):>10.3f} "
-              f"{v['ratio_to_copy']:>8.3f} {frac:>8} {peak:>11}")
+        print(
+            f"{v['variant']:<16} {v['gbps']:>8.2f} {v.get('ratio_to_direct', float('nan')):>10.3f} "
+            f"{v['ratio_to_copy']:>8.3f} {frac:>8} {peak:>11}"
+        )
 
 
 def main() -> None:

@@ -62,10 +62,7 @@ class Shape:
 
 
 def make_kv(shape: Shape) -> list[np.ndarray]:
-    return [
-        np.empty((shape.num_blocks, KV_HEADS, shape.block_size, HEAD_DIM_X2), dtype=np.float32)
-        for _ in range(shape.layers)
-    ]
+    return [np.empty((shape.num_blocks, KV_HEADS, shape.block_size, HEAD_DIM_X2), dtype=np.float32) for _ in range(shape.layers)]
 
 
 def words(t: np.ndarray) -> np.ndarray:
@@ -187,8 +184,9 @@ def wait_notifs(conn: Connection, expected: int, timeout: float = 10.0) -> int:
         time.sleep(0.01)
 
 
-def run_xfer(t: Transport, plan: TransferPlan, poll_s: float, notif: bytes, batches: list[int] | None = None,
-             write: bool = False) -> float:
+def run_xfer(
+    t: Transport, plan: TransferPlan, poll_s: float, notif: bytes, batches: list[int] | None = None, write: bool = False
+) -> float:
     """One READ from (or WRITE into) the other process; seconds from post to DONE. Appends the
     engine batches used (if known) to batches."""
     start = time.perf_counter()
@@ -339,23 +337,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> None:
     how = "WRITE (this process pushes into the other)" if r["mode"] == "push" else "READ (D pulls from P)"
-    print(f"{r['transport']} {how}, {r['order']}: {r['size_mib']} MiB in {r['block_kib']} KiB "
-          f"blocks, {r['layers']} layers x {r['blocks']} blocks")
+    print(
+        f"{r['transport']} {how}, {r['order']}: {r['size_mib']} MiB in {r['block_kib']} KiB "
+        f"blocks, {r['layers']} layers x {r['blocks']} blocks"
+    )
     by = r["descriptors_by_order"]
     batches = f" in {r['batches']} engine batches" if r["transport"] == "mooncake" else ""
-    print(f"descriptors: {r['descriptors']} (sequential {by['sequential']}, shuffled {by['shuffled']}){batches}; "
-          f"plan {r['plan_ms']:.2f} ms")
-    print(f"transport: best {r['gbps_best']:.2f} GB/s, median {r['gbps']:.2f} GB/s over {r['repeat']} repeats "
-          f"(bytes verified)")
+    print(
+        f"descriptors: {r['descriptors']} (sequential {by['sequential']}, shuffled {by['shuffled']}){batches}; "
+        f"plan {r['plan_ms']:.2f} ms"
+    )
+    print(f"transport: best {r['gbps_best']:.2f} GB/s, median {r['gbps']:.2f} GB/s over {r['repeat']} repeats (bytes verified)")
     print(f"memcpy, {r['memcpy']}: best {r['memcpy_gbps_best']:.2f}, median {r['memcpy_gbps']:.2f} GB/s")
     print(f"ratio transport/memcpy (medians): {r['ratio']:.3f}")
     if r["staging"]:
-        print(f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak "
-              f"{r['pool_peak_slots']} slots in use (D)")
-    print(f"1-block {r['op'].lower()} latency (all layers, {r['layers']} descriptors): "
-          f"median {r['latency_us_1block']} us "
-          + (f"(progress delay {r['progress_delay_us']} us, " if r["transport"] == "nixl"
-             else f"(max batch {r['max_batch']}, ") + f"poll {r['poll_us']} us)")
+        print(
+            f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak {r['pool_peak_slots']} slots in use (D)"
+        )
+    print(
+        f"1-block {r['op'].lower()} latency (all layers, {r['layers']} descriptors): "
+        f"median {r['latency_us_1block']} us "
+        + (f"(progress delay {r['progress_delay_us']} us, " if r["transport"] == "nixl" else f"(max batch {r['max_batch']}, ")
+        + f"poll {r['poll_us']} us)"
+    )
     expected = r["repeat"] + 1
     if r["notifs_at_p"] != expected:
         print(f"WARNING: the other process received {r['notifs_at_p']} of {expected} transfer notifications")
@@ -376,9 +380,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-kib", type=int, default=16)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--order", default="shuffled", help="sequential or shuffled (--sweep: a list)")
-    ap.add_argument("--mode", default="pull",
-                    help="pull: this process READs the other's blocks; push: it WRITEs its blocks into the other's "
-                         "(--sweep: a list)")
+    ap.add_argument(
+        "--mode",
+        default="pull",
+        help="pull: this process READs the other's blocks; push: it WRITEs its blocks into the other's (--sweep: a list)",
+    )
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--latency-samples", type=int, default=50)
     add_engine_args(ap, poll_us=50.0)
@@ -386,12 +392,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool-mib", type=int, default=32, help="staging only: host pool size")
     ap.add_argument("--chunk-kib", type=int, default=1024, help="staging only: chunk (pool slot) size")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sweep", action="store_true",
-                    help="transfer time against KV size (--sizes-mib) for every transport, mode, order and "
-                         "staging given")
-    ap.add_argument("--sizes-mib", default=",".join(str(4**i) for i in range(6)),
-                    help="--sweep: KV sizes in MiB (default 1,4,16,64,256,1024); sizes that do not fit memory "
-                         "are skipped")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="transfer time against KV size (--sizes-mib) for every transport, mode, order and staging given",
+    )
+    ap.add_argument(
+        "--sizes-mib",
+        default=",".join(str(4**i) for i in range(6)),
+        help="--sweep: KV sizes in MiB (default 1,4,16,64,256,1024); sizes that do not fit memory are skipped",
+    )
     ap.add_argument("--plot", metavar="FILE.png", help="--sweep: draw transfer time against KV size")
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args(argv)

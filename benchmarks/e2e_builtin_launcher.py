@@ -34,8 +34,7 @@ def patch_nixl(progress_delay_us: int) -> None:
 
     def make_agent(agent_name: str, agent_config: Any) -> Any:
         agent_config.pthrDelay = progress_delay_us
-        print(f"[e2e_builtin_launcher] pid {os.getpid()} NIXL agent {agent_name}: pthrDelay={progress_delay_us} us",
-              flush=True)
+        print(f"[e2e_builtin_launcher] pid {os.getpid()} NIXL agent {agent_name}: pthrDelay={progress_delay_us} us", flush=True)
         return real_agent_cls(agent_name, agent_config)
 
     bind.nixlAgent = make_agent

@@ -18,8 +18,14 @@ class RequestFailed(Exception):
 
 def request_body(prompt: Sequence[int], max_tokens: int) -> dict[str, object]:
     """Greedy, streamed, exactly max_tokens tokens (ignore_eos), token ids in every chunk."""
-    return {"prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "return_token_ids": True, "ignore_eos": True}
+    return {
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
 
 
 async def stream_one(
@@ -43,7 +49,7 @@ async def stream_one(
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data.strip() == "[DONE]":
                 break
             chunk = json.loads(data)
@@ -63,8 +69,9 @@ async def stream_one(
     return Sample(len(prompt), first - t0, end - t0, tuple(ids), first_tokens)
 
 
-async def _run(url: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
-               timeout_s: float) -> tuple[list[Sample | RequestFailed], float]:
+async def _run(
+    url: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int, timeout_s: float
+) -> tuple[list[Sample | RequestFailed], float]:
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
@@ -84,8 +91,9 @@ async def _run(url: str, prompts: Sequence[Sequence[int]], max_tokens: int, conc
         return list(results), time.perf_counter() - t0
 
 
-def run_load(url: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
-             timeout_s: float = 300.0) -> tuple[list[Sample | RequestFailed], float]:
+def run_load(
+    url: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int, timeout_s: float = 300.0
+) -> tuple[list[Sample | RequestFailed], float]:
     """Every prompt once, at most `concurrency` in flight, in order of submission; (results in prompt order, wall s)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")

@@ -55,8 +55,7 @@ class ServerSettings:
         return {"staging": "on", "staging_pool_kib": pool_kib, "staging_chunk_kib": chunk_kib}
 
     def server_kwargs(self) -> dict[str, Any]:
-        return {"max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes,
-                "block_size": self.block_size}
+        return {"max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes, "block_size": self.block_size}
 
 
 def settings_for(model: Path, variant: str, longest_prompt: int, max_tokens: int, concurrency: int) -> ServerSettings:
@@ -88,8 +87,13 @@ class PdConfig:
     notes: tuple[str, ...] = ()
 
 
-def _ours(form: Mapping[str, str], p_extra: Mapping[str, Any], d_extra: Mapping[str, Any],
-          settings: ServerSettings, source_tree: str | None = None) -> tuple[VllmServer, VllmServer]:
+def _ours(
+    form: Mapping[str, str],
+    p_extra: Mapping[str, Any],
+    d_extra: Mapping[str, Any],
+    settings: ServerSettings,
+    source_tree: str | None = None,
+) -> tuple[VllmServer, VllmServer]:
     kw: dict[str, Any] = settings.server_kwargs()
     if source_tree:  # another checkout of kv-connectors (e.g. the previous release) imported first
         kw["extra_env"] = {"PYTHONPATH": source_tree}
@@ -118,11 +122,16 @@ def builtin_server(settings: ServerSettings, role: str, name: str, progress_dela
     """
     side_channel_port = free_port()
     env = {**UCX_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-    server = VllmServer(settings.model, extra_args=["--kv-transfer-config", builtin_transfer_config(role)],
-                        extra_env=env, name=name, **settings.server_kwargs())
+    server = VllmServer(
+        settings.model,
+        extra_args=["--kv-transfer-config", builtin_transfer_config(role)],
+        extra_env=env,
+        name=name,
+        **settings.server_kwargs(),
+    )
     if progress_delay_us is not None:
         module_at = server.argv.index("-m")
-        server.argv[module_at:module_at + 2] = [str(BUILTIN_LAUNCHER)]
+        server.argv[module_at : module_at + 2] = [str(BUILTIN_LAUNCHER)]
         if server.env is not None:
             server.env[PROGRESS_DELAY_ENV] = str(progress_delay_us)
     server.side_channel_port = side_channel_port  # type: ignore[attr-defined]
@@ -130,8 +139,10 @@ def builtin_server(settings: ServerSettings, role: str, name: str, progress_dela
 
 
 def _builtin(settings: ServerSettings, progress_delay_us: int | None = None) -> tuple[VllmServer, VllmServer]:
-    return (builtin_server(settings, "kv_producer", "P", progress_delay_us),
-            builtin_server(settings, "kv_consumer", "D", progress_delay_us))
+    return (
+        builtin_server(settings, "kv_producer", "P", progress_delay_us),
+        builtin_server(settings, "kv_consumer", "D", progress_delay_us),
+    )
 
 
 PATCHED_DELAY_US = 1000
@@ -139,23 +150,41 @@ PATCHED_DELAY_US = 1000
 CONFIGS: dict[str, PdConfig] = {
     c.name: c
     for c in (
-        PdConfig("ours-nixl-pull", "our NixlConnector (module path), D reads P's blocks",
-                 lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s), "connector"),
-        PdConfig("ours-nixl-pull-baseline",
-                 f"our NixlConnector, pull, from the checkout named by ${BASELINE_TREE_ENV} (before/after in one run)",
-                 lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s, _baseline_tree()), "metrics"),
-        PdConfig("ours-nixl-push", "our NixlConnector, P writes into D's blocks",
-                 lambda s: _ours(MODULE_FORM, {}, {"mode": "push"}, s), "connector"),
-        PdConfig("ours-mooncake", "our MooncakeConnector (tcp), push",
-                 lambda s: _ours(MOONCAKE_MODULE_FORM, {}, {}, s), "connector"),
-        PdConfig("ours-nixl-staging", "our NixlConnector, pull through a host staging pool of 1/8 of the KV cache",
-                 lambda s: _ours(MODULE_FORM, s.staging, s.staging, s), "connector"),
-        PdConfig(BUILTIN, "vLLM's built-in NixlConnector, kv_buffer_device cpu, as shipped",
-                 _builtin, "builtin", (BUILTIN_NOTE,)),
-        PdConfig("builtin-nixl-patched",
-                 f"vLLM's built-in NixlConnector, NIXL progress delay {PATCHED_DELAY_US} us (launcher patch)",
-                 lambda s: _builtin(s, PATCHED_DELAY_US), "builtin",
-                 (PATCHED_NOTE.format(delay_us=PATCHED_DELAY_US),)),
+        PdConfig(
+            "ours-nixl-pull",
+            "our NixlConnector (module path), D reads P's blocks",
+            lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s),
+            "connector",
+        ),
+        PdConfig(
+            "ours-nixl-pull-baseline",
+            f"our NixlConnector, pull, from the checkout named by ${BASELINE_TREE_ENV} (before/after in one run)",
+            lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s, _baseline_tree()),
+            "metrics",
+        ),
+        PdConfig(
+            "ours-nixl-push",
+            "our NixlConnector, P writes into D's blocks",
+            lambda s: _ours(MODULE_FORM, {}, {"mode": "push"}, s),
+            "connector",
+        ),
+        PdConfig(
+            "ours-mooncake", "our MooncakeConnector (tcp), push", lambda s: _ours(MOONCAKE_MODULE_FORM, {}, {}, s), "connector"
+        ),
+        PdConfig(
+            "ours-nixl-staging",
+            "our NixlConnector, pull through a host staging pool of 1/8 of the KV cache",
+            lambda s: _ours(MODULE_FORM, s.staging, s.staging, s),
+            "connector",
+        ),
+        PdConfig(BUILTIN, "vLLM's built-in NixlConnector, kv_buffer_device cpu, as shipped", _builtin, "builtin", (BUILTIN_NOTE,)),
+        PdConfig(
+            "builtin-nixl-patched",
+            f"vLLM's built-in NixlConnector, NIXL progress delay {PATCHED_DELAY_US} us (launcher patch)",
+            lambda s: _builtin(s, PATCHED_DELAY_US),
+            "builtin",
+            (PATCHED_NOTE.format(delay_us=PATCHED_DELAY_US),),
+        ),
     )
 }
 # --configs default: every configuration as users would run it (the patched built-in is opt-in).

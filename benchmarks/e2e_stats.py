@@ -63,18 +63,19 @@ def summarize(samples: Sequence[Sample], wall_s: float) -> dict[str, Any]:
         "output_tok_s": round(sum(len(s.output_ids) for s in samples) / wall_s, 2),
         "wall_s": round(wall_s, 3),
         "first_chunk_tokens_mean": round(statistics.fmean(s.first_chunk_tokens for s in samples), 2),
-        "ttft_by_length_ms": {str(n): _ms(statistics.fmean(s.ttft_s for s in samples if s.length == n))
-                              for n in lengths},
-        "e2e_by_length_ms": {str(n): _ms(statistics.fmean(s.e2e_s for s in samples if s.length == n))
-                             for n in lengths},
+        "ttft_by_length_ms": {str(n): _ms(statistics.fmean(s.ttft_s for s in samples if s.length == n)) for n in lengths},
+        "e2e_by_length_ms": {str(n): _ms(statistics.fmean(s.e2e_s for s in samples if s.length == n)) for n in lengths},
     }
 
 
 def kv_figures(kv_bytes: int | None, kv_seconds: float | None) -> dict[str, Any]:
     """KV bytes moved and effective GB/s (bytes over summed transfer seconds); None where unknown."""
     gbps = kv_bytes / kv_seconds / 1e9 if kv_bytes is not None and kv_seconds else None
-    return {"kv_bytes": kv_bytes, "kv_seconds": None if kv_seconds is None else round(kv_seconds, 6),
-            "gbps": None if gbps is None else round(gbps, 3)}
+    return {
+        "kv_bytes": kv_bytes,
+        "kv_seconds": None if kv_seconds is None else round(kv_seconds, 6),
+        "gbps": None if gbps is None else round(gbps, 3),
+    }
 
 
 def ratio(value: float | None, base: float | None) -> float | None:
@@ -101,8 +102,10 @@ def _fmt(value: Any, spec: str) -> str:
 
 def figures_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     """One row per configuration: the figures people compare."""
-    head = (f"{'config':<22} {'ok':>4} {'reqs':>4} {'TTFT mean':>9} {'p50':>8} {'p99':>8} {'e2e mean':>9} "
-            f"{'out tok/s':>9} {'KV MiB':>8} {'KV GB/s':>7}")
+    head = (
+        f"{'config':<22} {'ok':>4} {'reqs':>4} {'TTFT mean':>9} {'p50':>8} {'p99':>8} {'e2e mean':>9} "
+        f"{'out tok/s':>9} {'KV MiB':>8} {'KV GB/s':>7}"
+    )
     rows = [head, "-" * len(head)]
     for name, r in results.items():
         kv_mib = None if r.get("kv_bytes") is None else r["kv_bytes"] / 2**20
@@ -117,15 +120,22 @@ def figures_table(results: Mapping[str, Mapping[str, Any]]) -> str:
 
 def ratios_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     """One row per configuration: TTFT, e2e, tok/s and GB/s over the built-in connector's and colocated's."""
-    cols = (("ttft_mean_ms", "TTFT"), ("ttft_p99_ms", "p99"), ("e2e_mean_ms", "e2e"), ("output_tok_s", "tok/s"),
-            ("gbps", "GB/s"))
-    head = f"{'config':<22} " + " ".join(f"{label + '/bi':>9}" for _, label in cols) + "  " + \
-        " ".join(f"{label + '/co':>9}" for _, label in cols[:4])
+    cols = (("ttft_mean_ms", "TTFT"), ("ttft_p99_ms", "p99"), ("e2e_mean_ms", "e2e"), ("output_tok_s", "tok/s"), ("gbps", "GB/s"))
+    head = (
+        f"{'config':<22} "
+        + " ".join(f"{label + '/bi':>9}" for _, label in cols)
+        + "  "
+        + " ".join(f"{label + '/co':>9}" for _, label in cols[:4])
+    )
     rows = [head, "-" * len(head)]
     for name, r in results.items():
         vb, vc = r.get("vs_builtin", {}), r.get("vs_colocated", {})
-        rows.append(f"{name:<22} " + " ".join(_fmt(vb.get(f), "9.2f") for f, _ in cols) + "  "
-                    + " ".join(_fmt(vc.get(f), "9.2f") for f, _ in cols[:4]))
+        rows.append(
+            f"{name:<22} "
+            + " ".join(_fmt(vb.get(f), "9.2f") for f, _ in cols)
+            + "  "
+            + " ".join(_fmt(vc.get(f), "9.2f") for f, _ in cols[:4])
+        )
     return "\n".join(rows)
 
 
@@ -136,6 +146,5 @@ def by_length_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     head = f"{'tokens':>6} " + " ".join(f"{n[:20]:>20}" for n in names)
     rows = [head, "-" * len(head)]
     for length in lengths:
-        rows.append(f"{length:>6} " + " ".join(
-            _fmt(results[n]["ttft_by_length_ms"].get(str(length)), "20.1f") for n in names))
+        rows.append(f"{length:>6} " + " ".join(_fmt(results[n]["ttft_by_length_ms"].get(str(length)), "20.1f") for n in names))
     return "\n".join(rows)

@@ -63,8 +63,10 @@ def builtin_lease_default() -> LeaseDefault:
             m = re.search(r'"kv_lease_duration",\s*(\d+)', path.read_text())
             if m:
                 rel = path.relative_to(root.parent)
-                return LeaseDefault(float(m.group(1)), f"kv_connector_extra_config kv_lease_duration ({rel}); "
-                                    "vllm/envs.py has no VLLM_NIXL_ABORT_REQUEST_TIMEOUT")
+                return LeaseDefault(
+                    float(m.group(1)),
+                    f"kv_connector_extra_config kv_lease_duration ({rel}); vllm/envs.py has no VLLM_NIXL_ABORT_REQUEST_TIMEOUT",
+                )
     return LeaseDefault(None, "not found in vllm/envs.py nor the NIXL connector's source")
 
 
@@ -81,16 +83,19 @@ def ours_d_counters(d: VllmServer) -> dict[str, float]:
 
 def builtin_d_counters(d: VllmServer) -> dict[str, float]:
     """D's transfers and failed transfers (the built-in's /metrics; failures include handshakes, notifications)."""
-    return {"transfers": metric(d.url, BUILTIN_TRANSFERS, missing_ok=True),
-            "failed": metric(d.url, BUILTIN_FAILED, missing_ok=True)}
+    return {
+        "transfers": metric(d.url, BUILTIN_TRANSFERS, missing_ok=True),
+        "failed": metric(d.url, BUILTIN_FAILED, missing_ok=True),
+    }
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before[k] for k in after if k in before}
 
 
-def poll_until(probe: Callable[[], Any], done: Callable[[Any], bool], deadline_s: float,
-               t0: float | None = None) -> tuple[Any, float | None]:
+def poll_until(
+    probe: Callable[[], Any], done: Callable[[Any], bool], deadline_s: float, t0: float | None = None
+) -> tuple[Any, float | None]:
     """Call probe() until done(value) or `deadline_s` after t0 (default now): (last value, seconds or None)."""
     t0 = time.monotonic() if t0 is None else t0
     while True:
@@ -107,8 +112,10 @@ def send_request(url: str, body: dict[str, Any]) -> socket.socket:
     """POST /v1/completions as raw HTTP and return the open socket: closing it is the client giving up."""
     parts = urlsplit(url)
     payload = json.dumps(body).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     s = socket.create_connection((parts.hostname, parts.port), timeout=5)
     try:
         s.sendall(head + payload)

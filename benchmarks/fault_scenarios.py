@@ -90,8 +90,14 @@ class Outcome:
     tag: str = ""  # a few words for the table, e.g. "HTTP 500; D ok"
 
     def to_json(self) -> dict[str, Any]:
-        return {"outcome": self.kind.value, "seconds": None if self.seconds is None else round(self.seconds, 2),
-                "timed_out": self.kind in PAST_DEADLINE, "tag": self.tag, "detail": self.detail, **self.data}
+        return {
+            "outcome": self.kind.value,
+            "seconds": None if self.seconds is None else round(self.seconds, 2),
+            "timed_out": self.kind in PAST_DEADLINE,
+            "tag": self.tag,
+            "detail": self.detail,
+            **self.data,
+        }
 
     def cell(self, deadline_s: float) -> str:
         """The table cell: outcome (tag), seconds or '> deadline'."""
@@ -114,8 +120,9 @@ class Connector:
 
 
 def _ours_server(settings: ServerSettings, role: str, name: str, side_channel_port: int | None) -> VllmServer:
-    return pd_server(settings.model, role, form=MODULE_FORM, side_channel_port=side_channel_port, name=name,
-                     **settings.server_kwargs())
+    return pd_server(
+        settings.model, role, form=MODULE_FORM, side_channel_port=side_channel_port, name=name, **settings.server_kwargs()
+    )
 
 
 def _builtin_server(settings: ServerSettings, role: str, name: str, side_channel_port: int | None) -> VllmServer:
@@ -130,11 +137,22 @@ def _builtin_server(settings: ServerSettings, role: str, name: str, side_channel
 def connectors() -> dict[str, Connector]:
     """The two connectors compared, each as users run it by default."""
     return {
-        "ours": Connector("ours", "our NixlConnector (module-path form), pull, default settings", ours_lease_default(),
-                          _ours_server, ours_d_counters, lambda p: float(stats(p).expired_leases)),
-        "builtin": Connector("builtin", "vLLM's built-in NixlConnector, kv_buffer_device cpu, as shipped",
-                             builtin_lease_default(), _builtin_server, builtin_d_counters,
-                             lambda p: metric(p.url, BUILTIN_EXPIRED, missing_ok=True)),
+        "ours": Connector(
+            "ours",
+            "our NixlConnector (module-path form), pull, default settings",
+            ours_lease_default(),
+            _ours_server,
+            ours_d_counters,
+            lambda p: float(stats(p).expired_leases),
+        ),
+        "builtin": Connector(
+            "builtin",
+            "vLLM's built-in NixlConnector, kv_buffer_device cpu, as shipped",
+            builtin_lease_default(),
+            _builtin_server,
+            builtin_d_counters,
+            lambda p: metric(p.url, BUILTIN_EXPIRED, missing_ok=True),
+        ),
     }
 
 
@@ -143,8 +161,9 @@ class Pair:
 
     Every server started is stopped by `stack` (each in its own process group)."""
 
-    def __init__(self, connector: Connector, settings: ServerSettings, stack: contextlib.ExitStack,
-                 deadline_s: float, prompt_tokens: int) -> None:
+    def __init__(
+        self, connector: Connector, settings: ServerSettings, stack: contextlib.ExitStack, deadline_s: float, prompt_tokens: int
+    ) -> None:
         self.connector = connector
         self.settings = settings
         self.stack = stack
@@ -250,15 +269,22 @@ def d_never_comes(pair: Pair) -> Outcome:
     usage, seconds = poll_until(lambda: kv_usage(p), lambda u: u == 0, pair.deadline_s, t0)
     expired = _expired_since(pair, p, expired0)
     lease = pair.connector.lease
-    data = {"kv_usage_held": held, "leases_expired": expired, "lease_default_s": lease.seconds,
-            "lease_source": lease.source}
-    return _release_outcome(pair, held, usage, seconds, data, "",
-                            f"({expired:g} lease(s) expired; default lease {lease.seconds} s)",
-                            "lease" if expired else "")
+    data = {"kv_usage_held": held, "leases_expired": expired, "lease_default_s": lease.seconds, "lease_source": lease.source}
+    return _release_outcome(
+        pair,
+        held,
+        usage,
+        seconds,
+        data,
+        "",
+        f"({expired:g} lease(s) expired; default lease {lease.seconds} s)",
+        "lease" if expired else "",
+    )
 
 
-def _release_outcome(pair: Pair, held: float, usage: float, seconds: float | None, data: Mapping[str, Any],
-                     said: str, freed: str, tag: str) -> Outcome:
+def _release_outcome(
+    pair: Pair, held: float, usage: float, seconds: float | None, data: Mapping[str, Any], said: str, freed: str, tag: str
+) -> Outcome:
     """How P's held KV ended: nothing held, still held at the deadline, or freed after `seconds`."""
     if held == 0:
         return Outcome(Kind.NOT_HELD, None, "P's KV usage was 0 right after the prefill: nothing held", data)
@@ -295,8 +321,7 @@ class _Busy(threading.Thread):
 def _abort_while_queued(d: VllmServer, prompt: list[int], params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """With D busy, send D the request and close the connection: (when it closed, evidence that D had the
     request queued and dropped it)."""
-    with send_request(d.url, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                              "kv_transfer_params": params}):
+    with send_request(d.url, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "kv_transfer_params": params}):
         queued, _ = poll_until(lambda: metric(d.url, "vllm:num_requests_waiting", missing_ok=True), lambda n: n >= 1, 2.0)
     closed = time.monotonic()
     waiting, _ = poll_until(lambda: metric(d.url, "vllm:num_requests_waiting", missing_ok=True), lambda n: n == 0, 2.0)
@@ -312,8 +337,7 @@ def d_aborted(pair: Pair) -> Outcome:
     params = prefill(p.url, prompt, timeout=pair.deadline_s)
     held = _held_usage(p)
     counters0, expired0 = pair.connector.d_counters(d), pair.connector.p_expired(p)
-    busy = _Busy(d, pair.prompt()[:BUSY_PROMPT_TOKENS], pair.settings.max_model_len - BUSY_PROMPT_TOKENS - 1,
-                 pair.deadline_s)
+    busy = _Busy(d, pair.prompt()[:BUSY_PROMPT_TOKENS], pair.settings.max_model_len - BUSY_PROMPT_TOKENS - 1, pair.deadline_s)
     busy.start()
     try:
         busy.running.wait(pair.deadline_s)
@@ -323,16 +347,31 @@ def d_aborted(pair: Pair) -> Outcome:
     finally:
         busy.join(pair.deadline_s)
     expired = _expired_since(pair, p, expired0)
-    data = {"kv_usage_held": held, **evidence, "d_counters": counter_delta(counters0, pair.connector.d_counters(d)),
-            "leases_expired": expired, "busy_request_error": busy.error,
-            "busy_ended_s": None if busy.ended is None else round(busy.ended - t0, 2)}
+    data = {
+        "kv_usage_held": held,
+        **evidence,
+        "d_counters": counter_delta(counters0, pair.connector.d_counters(d)),
+        "leases_expired": expired,
+        "busy_request_error": busy.error,
+        "busy_ended_s": None if busy.ended is None else round(busy.ended - t0, 2),
+    }
     aborted = evidence["queued_on_d"] and evidence["d_dropped_it"]
-    said = (f"{'queued on D and dropped at the close' if aborted else 'NOT seen queued and dropped on D'} "
-            f"(D's busy request ended {data['busy_ended_s']} s after the close); D's transfer counters "
-            f"{data['d_counters']}")
+    said = (
+        f"{'queued on D and dropped at the close' if aborted else 'NOT seen queued and dropped on D'} "
+        f"(D's busy request ended {data['busy_ended_s']} s after the close); D's transfer counters "
+        f"{data['d_counters']}"
+    )
     how = "lease" if expired else "D's notice"
-    return _release_outcome(pair, held, usage, seconds, data, f"; {said}",
-                            f"on {how} ({expired:g} lease(s) expired)", how if aborted else f"{how}; abort not seen")
+    return _release_outcome(
+        pair,
+        held,
+        usage,
+        seconds,
+        data,
+        f"; {said}",
+        f"on {how} ({expired:g} lease(s) expired)",
+        how if aborted else f"{how}; abort not seen",
+    )
 
 
 def _plain_check(pair: Pair, d: VllmServer, prompt: list[int], expected: list[int]) -> tuple[bool, str]:
@@ -347,13 +386,11 @@ def _plain_check(pair: Pair, d: VllmServer, prompt: list[int], expected: list[in
     return True, f"plain request correct in {time.monotonic() - t0:.1f} s"
 
 
-def _ask_d(pair: Pair, d: VllmServer, prompt: list[int], params: dict[str, Any]
-           ) -> tuple[httpx.Response | str | None, float]:
+def _ask_d(pair: Pair, d: VllmServer, prompt: list[int], params: dict[str, Any]) -> tuple[httpx.Response | str | None, float]:
     """D's request with P's params: (response, or the transport error text, or None past the deadline; seconds)."""
     t0 = time.monotonic()
     try:
-        r: httpx.Response | str | None = generate(d.url, prompt, MAX_TOKENS, timeout=pair.deadline_s,
-                                                  kv_transfer_params=params)
+        r: httpx.Response | str | None = generate(d.url, prompt, MAX_TOKENS, timeout=pair.deadline_s, kv_transfer_params=params)
     except httpx.TimeoutException:
         r = None
     except httpx.TransportError as e:
@@ -380,13 +417,16 @@ def _p_fault(pair: Pair, sig: signal.Signals) -> Outcome:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pgid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
         pair.retire_p()
-    data: dict[str, Any] = {"d_serves_plain": plain_ok, "plain_detail": plain_detail, "d_counters": counters,
-                            "d_alive": d.is_running()}
+    data: dict[str, Any] = {
+        "d_serves_plain": plain_ok,
+        "plain_detail": plain_detail,
+        "d_counters": counters,
+        "d_alive": d.is_running(),
+    }
     d_state = "then D ok" if plain_ok else "then D BROKEN"
     if answer is None:
         data["d_request"] = f"no answer after {pair.deadline_s:g} s"
-        return Outcome(Kind.WAITING, None, f"D's request unanswered after {pair.deadline_s:g} s; {plain_detail}", data,
-                       tag=d_state)
+        return Outcome(Kind.WAITING, None, f"D's request unanswered after {pair.deadline_s:g} s; {plain_detail}", data, tag=d_state)
     if isinstance(answer, str):
         data["d_request"] = answer
         return Outcome(Kind.FAILED, seconds, f"{answer}; {plain_detail}", data, tag=f"no HTTP answer; {d_state}")
@@ -397,8 +437,13 @@ def _p_fault(pair: Pair, sig: signal.Signals) -> Outcome:
         return Outcome(Kind.FAILED, seconds, f"{summary}; {plain_detail}", data, tag=f"{status}; {d_state}")
     data["output_correct"] = got == expected
     correct = "output correct" if got == expected else f"output WRONG ({got} != {expected})"
-    return Outcome(Kind.SERVED, seconds, f"{summary}, {correct}; {plain_detail}", data,
-                   tag=f"{'correct' if got == expected else 'WRONG'}; {d_state}")
+    return Outcome(
+        Kind.SERVED,
+        seconds,
+        f"{summary}, {correct}; {plain_detail}",
+        data,
+        tag=f"{'correct' if got == expected else 'WRONG'}; {d_state}",
+    )
 
 
 def p_killed(pair: Pair) -> Outcome:
@@ -434,18 +479,32 @@ def side_channel_port_in_use(pair: Pair) -> Outcome:
             silent, last = log_silent_s(server), last_log_line(server)
         finally:
             server.stop(timeout=5)
-    data: dict[str, Any] = {"port": port, "log": str(server.log_path), "error_in_log": message,
-                            "exit_code": server.returncode if state == "exited" else None}
+    data: dict[str, Any] = {
+        "port": port,
+        "log": str(server.log_path),
+        "error_in_log": message,
+        "exit_code": server.returncode if state == "exited" else None,
+    }
     if state == "exited":
-        return Outcome(Kind.EXITED, seconds, f"exit code {server.returncode}: {message or last}", data,
-                       tag=f"code {server.returncode}" + ("" if message else ", no bind error in log"))
+        return Outcome(
+            Kind.EXITED,
+            seconds,
+            f"exit code {server.returncode}: {message or last}",
+            data,
+            tag=f"code {server.returncode}" + ("" if message else ", no bind error in log"),
+        )
     if state == "ready":
         return Outcome(Kind.STARTED, seconds, f"serving with its side-channel port {port} taken; log: {message}", data)
     data["log_silent_s"] = round(silent, 1)
     data["ignored_sigterm"] = server.returncode == -signal.SIGKILL  # stop() escalates after 5 s
     sigterm = "; ignored SIGTERM (killed)" if data["ignored_sigterm"] else ""
-    return Outcome(Kind.NOT_READY, None, f"not serving, still running after {pair.deadline_s:g} s, log silent for "
-                   f"{silent:.0f} s; error in log: {message or 'none'}{sigterm}; last line: {last}", data)
+    return Outcome(
+        Kind.NOT_READY,
+        None,
+        f"not serving, still running after {pair.deadline_s:g} s, log silent for "
+        f"{silent:.0f} s; error in log: {message or 'none'}{sigterm}; last line: {last}",
+        data,
+    )
 
 
 SCENARIOS: dict[str, Callable[[Pair], Outcome]] = {

@@ -30,8 +30,7 @@ def fits(size_mib: int, available: int) -> str | None:
     """None if a point of size_mib fits in `available` bytes, else why not."""
     need = BUFFERS_PER_POINT * (size_mib << 20) + HEADROOM_BYTES
     if need > available:
-        return (f"needs ~{need / 2**30:.1f} GiB ({BUFFERS_PER_POINT} x size + headroom), "
-                f"{available / 2**30:.1f} available")
+        return f"needs ~{need / 2**30:.1f} GiB ({BUFFERS_PER_POINT} x size + headroom), {available / 2**30:.1f} available"
     return None
 
 
@@ -55,8 +54,10 @@ def fit(points: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
     if len({p["bytes"] for p in points}) < 2:
         return None
     slope, intercept = np.polyfit([p["bytes"] for p in points], [p["xfer_ms"] / 1e3 for p in points], 1)
-    return {"fixed_ms": round(float(intercept) * 1e3, 3),
-            "marginal_gbps": round(1 / float(slope) / 1e9, 3) if slope > 0 else float("inf")}
+    return {
+        "fixed_ms": round(float(intercept) * 1e3, 3),
+        "marginal_gbps": round(1 / float(slope) / 1e9, 3) if slope > 0 else float("inf"),
+    }
 
 
 def summary(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -65,20 +66,25 @@ def summary(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     for name in dict.fromkeys(series_name(r) for r in results):
         pts = sorted((r for r in results if series_name(r) == name), key=lambda r: r["bytes"])
         first, last = pts[0], pts[-1]
-        out[name] = {"fit": fit(pts), "sizes_mib": [p["size_mib"] for p in pts],
-                     "smallest_ms": first["xfer_ms"], "largest_ms": last["xfer_ms"],
-                     "time_growth": round(last["xfer_ms"] / first["xfer_ms"], 1) if first["xfer_ms"] else None,
-                     "size_growth": last["bytes"] / first["bytes"]}
+        out[name] = {
+            "fit": fit(pts),
+            "sizes_mib": [p["size_mib"] for p in pts],
+            "smallest_ms": first["xfer_ms"],
+            "largest_ms": last["xfer_ms"],
+            "time_growth": round(last["xfer_ms"] / first["xfer_ms"], 1) if first["xfer_ms"] else None,
+            "size_growth": last["bytes"] / first["bytes"],
+        }
     return out
 
 
 def table(results: Sequence[Mapping[str, Any]]) -> str:
-    head = (f"{'series':<30} {'MiB':>6} {'descs':>7} {'xfer ms':>10} {'GB/s':>7} {'memcpy ms':>10} "
-            f"{'ratio':>6}")
+    head = f"{'series':<30} {'MiB':>6} {'descs':>7} {'xfer ms':>10} {'GB/s':>7} {'memcpy ms':>10} {'ratio':>6}"
     rows = [head, "-" * len(head)]
     for r in results:
-        rows.append(f"{series_name(r):<30} {r['size_mib']:>6} {r['descriptors']:>7} {r['xfer_ms']:>10.3f} "
-                    f"{r['gbps']:>7.2f} {r['memcpy_ms']:>10.3f} {r['ratio']:>6.3f}")
+        rows.append(
+            f"{series_name(r):<30} {r['size_mib']:>6} {r['descriptors']:>7} {r['xfer_ms']:>10.3f} "
+            f"{r['gbps']:>7.2f} {r['memcpy_ms']:>10.3f} {r['ratio']:>6.3f}"
+        )
     return "\n".join(rows)
 
 
@@ -90,17 +96,27 @@ def plot(results: Sequence[Mapping[str, Any]], path: str) -> None:
         pts = sorted((r for r in results if series_name(r) == name), key=lambda r: r["size_mib"])
         series[name] = ([p["size_mib"] for p in pts], [p["xfer_ms"] for p in pts])
     sizes = sorted({r["size_mib"] for r in results})
-    series["memcpy (1 thread)"] = (sizes, [float(np.median([r["memcpy_ms"] for r in results if r["size_mib"] == s]))
-                                           for s in sizes])
+    series["memcpy (1 thread)"] = (
+        sizes,
+        [float(np.median([r["memcpy_ms"] for r in results if r["size_mib"] == s])) for s in sizes],
+    )
     first = results[0]
-    out = line_plot(series, path, title="KV transfer time against KV size (two processes, one host)",
-                    xlabel="KV size (MiB)", ylabel="transfer time (ms, median)", logx=True, logy=True,
-                    note=f"{first['block_kib']} KiB blocks, {first['layers']} layers; bench_transport.py --sweep")
+    out = line_plot(
+        series,
+        path,
+        title="KV transfer time against KV size (two processes, one host)",
+        xlabel="KV size (MiB)",
+        ylabel="transfer time (ms, median)",
+        logx=True,
+        logy=True,
+        note=f"{first['block_kib']} KiB blocks, {first['layers']} layers; bench_transport.py --sweep",
+    )
     print(f"plot: {out}")
 
 
-def run_sweep(args: argparse.Namespace, axes: Mapping[str, list[str]],
-              run_one: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
+def run_sweep(
+    args: argparse.Namespace, axes: Mapping[str, list[str]], run_one: Callable[[argparse.Namespace], dict[str, Any]]
+) -> None:
     """Every combination of the axes at every size that fits memory; prints a table (and JSON, plot)."""
     sizes = parse_sizes(args.sizes_mib)
     results: list[dict[str, Any]] = []
@@ -132,9 +148,11 @@ def run_sweep(args: argparse.Namespace, axes: Mapping[str, list[str]],
         f = g["fit"]
         if f:
             lo, hi = g["sizes_mib"][0], g["sizes_mib"][-1]
-            print(f"{name}: {g['smallest_ms']:.3f} ms at {lo} MiB, {g['largest_ms']:.1f} ms at {hi} MiB "
-                  f"({g['size_growth']:.0f}x the bytes, {g['time_growth']}x the time); "
-                  f"marginal {f['marginal_gbps']:.2f} GB/s (least squares)")
+            print(
+                f"{name}: {g['smallest_ms']:.3f} ms at {lo} MiB, {g['largest_ms']:.1f} ms at {hi} MiB "
+                f"({g['size_growth']:.0f}x the bytes, {g['time_growth']}x the time); "
+                f"marginal {f['marginal_gbps']:.2f} GB/s (least squares)"
+            )
     if args.plot and results:
         plot(results, args.plot)
     if args.json:

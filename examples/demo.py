@@ -39,11 +39,19 @@ FORMS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--transport", choices=["nixl", "mooncake"], default="nixl")
-    ap.add_argument("--mode", choices=["pull", "push"], default=None,
-                    help="pull: D reads P's blocks; push: P writes into D's (default: pull for nixl, push for mooncake)")
+    ap.add_argument(
+        "--mode",
+        choices=["pull", "push"],
+        default=None,
+        help="pull: D reads P's blocks; push: P writes into D's (default: pull for nixl, push for mooncake)",
+    )
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--staging", choices=["auto", "on", "off"], default="auto",
-                    help="CPU staging through a bounded host pool (auto: only where device memory cannot be registered)")
+    ap.add_argument(
+        "--staging",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="CPU staging through a bounded host pool (auto: only where device memory cannot be registered)",
+    )
     ap.add_argument("--pool-kib", type=int, default=128, help="staging pool size (with --staging on)")
     ap.add_argument("--verbose", action="store_true", help="log server start-up and stops")
     return ap.parse_args(argv)
@@ -66,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
     d_extra = {**staging, **({"mode": args.mode} if args.mode else {})}
     p = pd_server(model, "kv_producer", form=p_form, name="prefill", max_model_len=MAX_MODEL_LEN, extra_config=staging)
     d = pd_server(model, "kv_consumer", form=d_form, name="decode", max_model_len=MAX_MODEL_LEN, extra_config=d_extra)
-    print(f"transport {args.transport}, mode {args.mode or 'default'}, staging {args.staging}: "
-          f"P loads {p_form}, D loads {d_form}")
+    print(f"transport {args.transport}, mode {args.mode or 'default'}, staging {args.staging}: P loads {p_form}, D loads {d_form}")
     t0 = time.monotonic()
     with ref, p, d, ProxyProcess([p.url], [d.url]) as proxy, httpx.Client(timeout=120.0) as client:
         proxy.wait_ready()
@@ -104,11 +111,15 @@ def run(args: argparse.Namespace) -> int:
         )
         ds = stats(d)
         if ds.staging_pool_bytes:
-            print(f"staging: pool {ds.staging_pool_bytes // 1024} KiB on each side, peak use on D "
-                  f"{ds.staging_peak_bytes // 1024} KiB, on P {ps.staging_peak_bytes // 1024} KiB")
+            print(
+                f"staging: pool {ds.staging_pool_bytes // 1024} KiB on each side, peak use on D "
+                f"{ds.staging_peak_bytes // 1024} KiB, on P {ps.staging_peak_bytes // 1024} KiB"
+            )
         if totals["bytes"] == 0 or ds.recv_failures:
-            print(f"FAILED: D moved {totals['bytes']} bytes of KV ({ds.recv_failures} failed loads): "
-                  "the outputs above were not computed from P's KV")
+            print(
+                f"FAILED: D moved {totals['bytes']} bytes of KV ({ds.recv_failures} failed loads): "
+                "the outputs above were not computed from P's KV"
+            )
             return 1
         return 1 if mismatches else 0
 

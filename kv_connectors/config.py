@@ -135,9 +135,7 @@ def _bool(key: str, value: Any) -> bool:
 def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     def check(key: str, value: Any) -> str:
         if value not in choices:
-            raise ConfigError(
-                f"kv_connector_extra_config[{key!r}] must be one of {', '.join(choices)}; got {value!r}"
-            )
+            raise ConfigError(f"kv_connector_extra_config[{key!r}] must be one of {', '.join(choices)}; got {value!r}")
         return str(value)
 
     return check
@@ -196,8 +194,7 @@ def parse_config(
     unknown = sorted(set(extra) - set(_CHECKERS))
     if unknown:
         raise ConfigError(
-            f"unknown kv_connector_extra_config key(s) {', '.join(map(repr, unknown))}; "
-            f"valid keys: {', '.join(VALID_KEYS)}"
+            f"unknown kv_connector_extra_config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(VALID_KEYS)}"
         )
     values: dict[str, Any] = {key: _CHECKERS[key](key, value) for key, value in extra.items()}
     pool = values.get("staging_pool_kib", 64 * 1024)

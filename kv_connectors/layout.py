@@ -64,15 +64,12 @@ def _find_block_dim(info: TensorInfo, num_blocks: int, block_dim: int | None) ->
     if block_dim is not None:
         if not 0 <= block_dim < len(info.shape) or info.shape[block_dim] != num_blocks:
             raise ConfigError(
-                f"KV tensor {info.name} shape {info.shape}: dim {block_dim} is not the block dim "
-                f"(num_blocks={num_blocks})"
+                f"KV tensor {info.name} shape {info.shape}: dim {block_dim} is not the block dim (num_blocks={num_blocks})"
             )
         return block_dim
     candidates = [d for d, size in enumerate(info.shape) if size == num_blocks]
     if not candidates:
-        raise ConfigError(
-            f"no dimension of KV tensor {info.name} shape {info.shape} has num_blocks={num_blocks} entries"
-        )
+        raise ConfigError(f"no dimension of KV tensor {info.name} shape {info.shape} has num_blocks={num_blocks} entries")
     # Other dims may happen to equal num_blocks (e.g. 2*head_size == 128 blocks); the block dim
     # is the outermost of them, since every known layout keeps a whole block contiguous inside it.
     return max(candidates, key=lambda d: info.stride[d])

@@ -123,8 +123,7 @@ def release_address(params: Any) -> RemotePrefill | None:
     try:
         return RemotePrefill(
             remote_block_ids=(),
-            remote_engine_id="" if params.get("remote_engine_id") is None
-            else _str("remote_engine_id", params["remote_engine_id"]),
+            remote_engine_id="" if params.get("remote_engine_id") is None else _str("remote_engine_id", params["remote_engine_id"]),
             remote_request_id=_str("remote_request_id", key),
             remote_host=_str("remote_host", params.get("remote_host")),
             remote_port=_port(params.get("remote_port")),

@@ -49,9 +49,7 @@ class TransferPlan:
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     """Both sides must cut blocks into the same segments (same regions, same segment sizes)."""
     if src.shape_signature() != dst.shape_signature():
-        raise ConfigError(
-            f"KV layouts differ: {src.shape_signature()} vs {dst.shape_signature()}"
-        )
+        raise ConfigError(f"KV layouts differ: {src.shape_signature()} vs {dst.shape_signature()}")
 
 
 def _as_ids(ids: Sequence[int], side: str) -> np.ndarray:
@@ -65,14 +63,10 @@ def _as_ids(ids: Sequence[int], side: str) -> np.ndarray:
 
 def _check_ids(ids: np.ndarray, layout: KVLayout, side: str) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= layout.num_blocks):
-        raise TransferParamsError(
-            f"{side} block id out of range 0..{layout.num_blocks - 1}: {ids.min()}..{ids.max()}"
-        )
+        raise TransferParamsError(f"{side} block id out of range 0..{layout.num_blocks - 1}: {ids.min()}..{ids.max()}")
 
 
-def plan_transfer(
-    src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids: Sequence[int]
-) -> TransferPlan:
+def plan_transfer(src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids: Sequence[int]) -> TransferPlan:
     """Pair src_ids[i] with dst_ids[i] and coalesce runs that are contiguous on both sides.
 
     Pairs are sorted by source id first, so a shuffled block table still coalesces wherever
@@ -104,6 +98,4 @@ def plan_transfer(
         srcs.append(rs.base + s[starts] * rs.block_stride)
         dsts.append(rd.base + d[starts] * rd.block_stride)
         lens.append(counts * rs.seg_len)
-    return TransferPlan(
-        np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens).astype(np.int64), int(s.size)
-    )
+    return TransferPlan(np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens).astype(np.int64), int(s.size))

@@ -160,8 +160,7 @@ class Receiver:
                 reply = future.result()
                 if not isinstance(reply, wire.HandshakeReply) or (key[0] and reply.engine_id != key[0]):
                     raise KVConnectorError(
-                        f"side channel {key[1]}:{key[2]} answered for engine "
-                        f"{getattr(reply, 'engine_id', '?')}, expected {key[0]}"
+                        f"side channel {key[1]}:{key[2]} answered for engine {getattr(reply, 'engine_id', '?')}, expected {key[0]}"
                     )
                 self._transport.connect(reply.agent_name, reply.agent_metadata)
                 peer.agent_name, peer.layout, peer.epoch = reply.agent_name, reply.layout.to_layout(), reply.epoch
@@ -272,8 +271,9 @@ class Receiver:
             return
         if task.read_done_at is not None and task.fence_deadline is not None:
             if task.read_done_at > task.fence_deadline:
-                self._fail_transfer(task, KVConnectorError(
-                    "the read completed after the producer's hold on its blocks may have ended"))
+                self._fail_transfer(
+                    task, KVConnectorError("the read completed after the producer's hold on its blocks may have ended")
+                )
                 return
             self._notify_quietly(self._peers[task.peer_key].agent_name, task.remote_request_id)
             self._complete(task)
@@ -312,11 +312,15 @@ class Receiver:
             peer = self._peers.get(task.peer_key)
             if peer is not None and reply.epoch != peer.epoch:
                 peer.error = "the producer restarted"  # the next request hand-shakes with the new process
-            why = reason if result is not ClaimResult.PENDING else (
-                f"the producer does not hold request {task.remote_request_id} "
-                f"(unknown after {self._cfg.handshake_timeout_s:g} s)")
-            self._fail_transfer(task, KVConnectorError(
-                f"refused a stale read: {why}; its blocks may hold another prompt's KV now"))
+            why = (
+                reason
+                if result is not ClaimResult.PENDING
+                else (
+                    f"the producer does not hold request {task.remote_request_id} "
+                    f"(unknown after {self._cfg.handshake_timeout_s:g} s)"
+                )
+            )
+            self._fail_transfer(task, KVConnectorError(f"refused a stale read: {why}; its blocks may hold another prompt's KV now"))
 
     def _advance_transfer(self, task: RecvTask, now: float) -> None:
         if task.handle is None:  # push: waiting for P's notification
@@ -387,8 +391,11 @@ class Receiver:
             task = self._tasks.pop(rid)
             if rid.startswith(RELEASE_PREFIX):  # best effort, no load: P's lease frees what it still holds
                 if task.phase is RecvPhase.FAILED:
-                    logger.warning("request %s: could not tell the producer to free its blocks (%s); its "
-                                   "lease frees them", rid[len(RELEASE_PREFIX):], task.error)
+                    logger.warning(
+                        "request %s: could not tell the producer to free its blocks (%s); its lease frees them",
+                        rid[len(RELEASE_PREFIX) :],
+                        task.error,
+                    )
                 continue
             if task.phase is RecvPhase.FAILED:
                 self.totals.failures += 1

@@ -33,7 +33,11 @@ class Renewer:
     """Engine thread only; the requests themselves run on the side-channel client's threads."""
 
     def __init__(
-        self, engine_id: str, compat_hash: str, client: sidechannel.Client, timeout_s: float,
+        self,
+        engine_id: str,
+        compat_hash: str,
+        client: sidechannel.Client,
+        timeout_s: float,
         clock: Callable[[], float],
     ) -> None:
         self._engine_id = engine_id

@@ -91,8 +91,7 @@ class Sender:
 
     def on_push(self, request: wire.PushRequest) -> wire.PushAck:
         if len(request.block_ids) > self._layout.num_blocks:  # no request of ours holds that many
-            return wire.PushAck(False, f"{len(request.block_ids)} blocks asked; this instance has "
-                                       f"{self._layout.num_blocks}")
+            return wire.PushAck(False, f"{len(request.block_ids)} blocks asked; this instance has {self._layout.num_blocks}")
         self._inbox.put(request)
         return wire.PushAck(True)
 
@@ -101,17 +100,17 @@ class Sender:
         refuse those that already ended (their blocks may hold other prompts' KV by now)."""
         now = self._clock()
         hold_s = self._cfg.transfer_timeout_s
-        if len(request.items) > _MAX_CLAIM_ITEMS or any(len(i.block_ids) > self._layout.num_blocks
-                                                       for i in request.items):
-            raise TransferParamsError(f"claim of {len(request.items)} requests is larger than any this "
-                                      f"instance ({self._layout.num_blocks} blocks) can hold")
+        if len(request.items) > _MAX_CLAIM_ITEMS or any(len(i.block_ids) > self._layout.num_blocks for i in request.items):
+            raise TransferParamsError(
+                f"claim of {len(request.items)} requests is larger than any this "
+                f"instance ({self._layout.num_blocks} blocks) can hold"
+            )
         if request.epoch and request.epoch != self.epoch:  # D hand-shook with an earlier process here
             why = "the producer restarted since the handshake"
             n = len(request.items)
             return wire.ClaimReply([ClaimResult.GONE.value] * n, [why] * n, hold_s, self.epoch)
         claims = [
-            self.leases.claim(item.key, request.consumer_engine_id, tuple(item.block_ids), now, hold_s)
-            for item in request.items
+            self.leases.claim(item.key, request.consumer_engine_id, tuple(item.block_ids), now, hold_s) for item in request.items
         ]
         return wire.ClaimReply([c.result.value for c in claims], [c.reason for c in claims], hold_s, self.epoch)
 
@@ -222,8 +221,7 @@ class Sender:
                 raise KVConnectorError(dst)
             plan = plan_transfer(self._layout, _tail(own, len(req.block_ids)), dst, req.block_ids)
             write.runs = plan.num_runs
-            notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs),
-                                self._hash)
+            notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs), self._hash)
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
         except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             self._finish(write, f"write failed: {e}")
@@ -328,8 +326,7 @@ class Sender:
         self.push_failures += 1
         req = write.request
         logger.error("push of %s to %s failed: %s", req.producer_request_id, req.consumer_engine_id, error)
-        self._notify(req, wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, error),
-                                      self._hash))
+        self._notify(req, wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, error), self._hash))
 
     def _notify(self, req: wire.PushRequest, msg: bytes) -> None:
         try:

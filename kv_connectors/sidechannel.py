@@ -124,9 +124,7 @@ class SideChannelServer:
         self._ctx.term()
 
 
-def request(
-    host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float, secret: bytes | None = None
-) -> wire.Body:
+def request(host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float, secret: bytes | None = None) -> wire.Body:
     """One request/reply with a deadline on a socket of its own; ErrorReply answers become typed errors."""
     sock = _socket()
     try:
@@ -142,8 +140,14 @@ def _socket() -> zmq.Socket[bytes]:
 
 
 def _exchange(
-    sock: zmq.Socket[bytes], host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float,
-    secret: bytes | None, connect: bool,
+    sock: zmq.Socket[bytes],
+    host: str,
+    port: int,
+    body: wire.Body,
+    compat_hash: str,
+    timeout_s: float,
+    secret: bytes | None,
+    connect: bool,
 ) -> wire.Body:
     address = endpoint(host, port)
     try:
@@ -187,9 +191,7 @@ class SideChannelClient:
             if len(self._pools) >= self._max_peers:
                 pool = self._shared
             else:
-                pool = self._pools[(host, port)] = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix=f"kvc-sc-{port}"
-                )
+                pool = self._pools[(host, port)] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvc-sc-{port}")
         if pool is self._shared:
             return pool.submit(request, host, port, body, compat_hash, timeout_s, self._secret)
         return pool.submit(self._on_peer_thread, host, port, body, compat_hash, timeout_s)

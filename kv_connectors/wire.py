@@ -74,14 +74,18 @@ class LayoutMsg(msgspec.Struct, frozen=True):
     def to_layout(self) -> KVLayout:
         """The peer's layout, checked: addresses a peer advertises are used to plan transfers."""
         if self.num_blocks < 1 or self.block_size < 1 or not self.regions:
-            raise HandshakeError(f"peer advertised an empty KV layout ({self.num_blocks} blocks, "
-                                 f"{len(self.regions)} regions)")
+            raise HandshakeError(f"peer advertised an empty KV layout ({self.num_blocks} blocks, {len(self.regions)} regions)")
         for r in self.regions:
-            if r.base < 0 or r.seg_len < 1 or r.block_stride < r.seg_len or (
-                r.base + (self.num_blocks - 1) * r.block_stride + r.seg_len >= _MAX_ADDRESS
+            if (
+                r.base < 0
+                or r.seg_len < 1
+                or r.block_stride < r.seg_len
+                or (r.base + (self.num_blocks - 1) * r.block_stride + r.seg_len >= _MAX_ADDRESS)
             ):
-                raise HandshakeError(f"peer advertised an invalid KV region (base {r.base}, stride "
-                                     f"{r.block_stride}, segment {r.seg_len}, {self.num_blocks} blocks)")
+                raise HandshakeError(
+                    f"peer advertised an invalid KV region (base {r.base}, stride "
+                    f"{r.block_stride}, segment {r.seg_len}, {self.num_blocks} blocks)"
+                )
         regions = tuple(Region(r.base, r.block_stride, r.seg_len, self.num_blocks) for r in self.regions)
         return KVLayout(self.num_blocks, self.block_size, regions)
 
@@ -202,8 +206,18 @@ class TransferDone(msgspec.Struct, frozen=True, tag="done"):
 
 
 Body = (
-    HandshakeRequest | HandshakeReply | StatsRequest | StatsReply | ErrorReply | PushRequest | PushAck | TransferDone
-    | ClaimRequest | ClaimReply | RenewRequest | RenewReply
+    HandshakeRequest
+    | HandshakeReply
+    | StatsRequest
+    | StatsReply
+    | ErrorReply
+    | PushRequest
+    | PushAck
+    | TransferDone
+    | ClaimRequest
+    | ClaimReply
+    | RenewRequest
+    | RenewReply
 )
 
 # Message kinds that carry no compatibility check (monitoring tools do not know the hash).

@@ -113,19 +113,26 @@ class WorkerEngine:
         # would stall every handshake behind the engine's lock).
         self._local_metadata = transport.local_metadata()
         self._receiver = Receiver(
-            self._cfg, self._rank, transport, layout, compat, client=self._client, clock=self._clock,
+            self._cfg,
+            self._rank,
+            transport,
+            layout,
+            compat,
+            client=self._client,
+            clock=self._clock,
             local_metadata=self._local_metadata,
         )
         # Layer-wise push writes straight from the KV cache: not through a staging pool.
         layers = layer_regions if self._staging is None and self._cfg.layerwise else None
         self._sender = Sender(self._cfg, transport, layout, compat, layers, clock=self._clock, epoch=self.epoch)
-        self._renewer = Renewer(
-            self._cfg.engine_id, self._hash, self._client, self._cfg.handshake_timeout_s, self._clock
-        )
+        self._renewer = Renewer(self._cfg.engine_id, self._hash, self._client, self._cfg.handshake_timeout_s, self._clock)
         self._server = server  # last: the handler answers only once everything above exists
         logger.info(
             "KV cache registered: %d blocks x %d bytes in %d regions, compat hash %s",
-            layout.num_blocks, layout.block_bytes, len(layout.regions), self._hash,
+            layout.num_blocks,
+            layout.block_bytes,
+            len(layout.regions),
+            self._hash,
         )
 
     def _registered_transport(self, layout: KVLayout, kind: MemoryKind, device_id: int) -> Transport:
@@ -144,7 +151,8 @@ class WorkerEngine:
                 raise
             logger.warning(
                 "device memory cannot be registered with the transport (%s): staging through a %d KiB host pool",
-                e, self._cfg.staging_pool_kib,
+                e,
+                self._cfg.staging_pool_kib,
             )
         return self._staged(name, layout, kind, device_id)
 

@@ -8,5 +8,4 @@ split/merge) -> upstream (one backend call) -> flows (params and transfer-id flo
 from .app import build_app, main
 from .config import BackendSpec, ConfigError, Flow, Policy, ProxyConfig, Role, SideChannel, parse_args
 
-__all__ = ["BackendSpec", "ConfigError", "Flow", "Policy", "ProxyConfig", "Role", "SideChannel", "build_app",
-           "main", "parse_args"]
+__all__ = ["BackendSpec", "ConfigError", "Flow", "Policy", "ProxyConfig", "Role", "SideChannel", "build_app", "main", "parse_args"]

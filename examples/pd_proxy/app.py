@@ -113,12 +113,10 @@ async def _models(request: Request) -> Response:
     backend = ctx.decode.pick() or ctx.decode.backends[0]
     headers = {"Authorization": auth} if (auth := request.headers.get("authorization")) else {}
     try:
-        resp = await ctx.http().get(backend.url + "/v1/models", headers=headers,
-                                    timeout=ctx.config.decode_timeout_s)
+        resp = await ctx.http().get(backend.url + "/v1/models", headers=headers, timeout=ctx.config.decode_timeout_s)
     except httpx.HTTPError as exc:
         return classify(Role.DECODE, backend.url, exc).to_proxy_error().response()
-    return Response(resp.content, status_code=resp.status_code,
-                    media_type=resp.headers.get("content-type", "application/json"))
+    return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json"))
 
 
 async def _health(request: Request) -> JSONResponse:
@@ -139,12 +137,12 @@ async def _metrics(request: Request) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def build_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None,
-              health_checks: bool = True) -> FastAPI:
+def build_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None, health_checks: bool = True) -> FastAPI:
     """The proxy app; `transport` (e.g. httpx.MockTransport) replaces the network in tests."""
     ctx = ProxyContext(config)
-    checker = HealthChecker([ctx.prefill, ctx.decode], ctx.http, config.health_interval_s,
-                            config.health_timeout_s, config.unhealthy_after)
+    checker = HealthChecker(
+        [ctx.prefill, ctx.decode], ctx.http, config.health_interval_s, config.health_timeout_s, config.unhealthy_after
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,8 +177,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if config.log_level != "debug":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # keep one log line per request
     app = build_app(config)
-    logger.info("proxy on http://%s:%d flow=%s prefill=%s decode=%s", config.host, config.port,
-                config.resolved_flow.value,
-                [f"{s.url} ({s.side_channel})" if s.side_channel else s.url for s in config.prefill],
-                [s.url for s in config.decode])
+    logger.info(
+        "proxy on http://%s:%d flow=%s prefill=%s decode=%s",
+        config.host,
+        config.port,
+        config.resolved_flow.value,
+        [f"{s.url} ({s.side_channel})" if s.side_channel else s.url for s in config.prefill],
+        [s.url for s in config.decode],
+    )
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)

@@ -60,8 +60,7 @@ class BackendCall:
             self.backend.served += 1
         else:
             self.backend.failures += 1
-        self.pool.metrics.backend_seconds.labels(self.pool.role.value, self.backend.url).observe(
-            time.perf_counter() - self.start)
+        self.pool.metrics.backend_seconds.labels(self.pool.role.value, self.backend.url).observe(time.perf_counter() - self.start)
 
 
 class BackendPool:
@@ -127,8 +126,14 @@ class BackendPool:
 class HealthChecker:
     """GET /health of every backend each interval (with a timeout); results go to the pools."""
 
-    def __init__(self, pools: Sequence[BackendPool], client: Callable[[], httpx.AsyncClient], interval_s: float,
-                 timeout_s: float, unhealthy_after: int) -> None:
+    def __init__(
+        self,
+        pools: Sequence[BackendPool],
+        client: Callable[[], httpx.AsyncClient],
+        interval_s: float,
+        timeout_s: float,
+        unhealthy_after: int,
+    ) -> None:
         self.pools, self.client = pools, client
         self.interval_s, self.timeout_s, self.unhealthy_after = interval_s, timeout_s, unhealthy_after
 

@@ -15,9 +15,16 @@ CHAT = "/v1/chat/completions"
 ROUTES = (COMPLETIONS, CHAT)
 
 # What P gets in the params (NIXL) flow; P answers with the kv_transfer_params D needs.
-PREFILL_KV_PARAMS: Mapping[str, Any] = MappingProxyType({
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-    "remote_host": None, "remote_port": None})
+PREFILL_KV_PARAMS: Mapping[str, Any] = MappingProxyType(
+    {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+)
 _P_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
@@ -45,8 +52,9 @@ def _check_prompt(prompt: Any) -> None:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt):
             return
-    raise bad_request("'prompt' must be a string, a list of strings, a list of token ids (non-negative integers) "
-                      "or a list of token-id lists")
+    raise bad_request(
+        "'prompt' must be a string, a list of strings, a list of token ids (non-negative integers) or a list of token-id lists"
+    )
 
 
 def _check_positive_int(body: dict[str, Any], name: str) -> None:
@@ -122,8 +130,9 @@ def prompt_token_ids(route: str, answer: dict[str, Any]) -> list[int] | None:
     return ids if _is_token_ids(ids) else None
 
 
-def decode_body_params(route: str, body: dict[str, Any], kv_params: dict[str, Any] | None,
-                       token_ids: list[int] | None) -> dict[str, Any]:
+def decode_body_params(
+    route: str, body: dict[str, Any], kv_params: dict[str, Any] | None, token_ids: list[int] | None
+) -> dict[str, Any]:
     """The D request of the params flow: the client's body plus P's kv_transfer_params (and token ids)."""
     d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     if kv_params is not None:
@@ -143,8 +152,13 @@ def transfer_prefill_params(transfer_id: str) -> dict[str, Any]:
 def transfer_decode_body(body: dict[str, Any], transfer_id: str, side_channel: SideChannel) -> dict[str, Any]:
     """The D request of the transfer-id flow: the client's body addressed to P's side channel."""
     d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-    d_body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-                                    "remote_host": side_channel.host, "remote_port": side_channel.port}
+    d_body["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_host": side_channel.host,
+        "remote_port": side_channel.port,
+    }
     return d_body
 
 

@@ -152,19 +152,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="PD disaggregation proxy: N prefill and M decode vLLM servers behind one OpenAI endpoint.",
     )
     add = parser.add_argument
-    add("--prefill", action="append", nargs="+", required=True, metavar=("URL", "SIDE_CHANNEL"),
-        help="prefill server base URL, optionally followed by its KV side channel HOST:PORT or PORT (repeatable)")
+    add(
+        "--prefill",
+        action="append",
+        nargs="+",
+        required=True,
+        metavar=("URL", "SIDE_CHANNEL"),
+        help="prefill server base URL, optionally followed by its KV side channel HOST:PORT or PORT (repeatable)",
+    )
     add("--decode", action="append", required=True, metavar="URL", help="decode server base URL (repeatable)")
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
-    add("--flow", choices=[f.value for f in Flow], default=Flow.AUTO.value,
+    add(
+        "--flow",
+        choices=[f.value for f in Flow],
+        default=Flow.AUTO.value,
         help="params: P's kv_transfer_params go to D (NIXL); transfer-id: P and D at once (Mooncake push); "
-             "auto: transfer-id when every --prefill has a side channel")
+        "auto: transfer-id when every --prefill has a side channel",
+    )
     for role in ("prefill", "decode"):
         add(f"--{role}-policy", choices=[p.value for p in Policy], default=Policy.ROUND_ROBIN.value)
     add("--prefill-timeout-s", type=float, default=120.0, help="deadline of P's answer")
-    add("--decode-timeout-s", type=float, default=120.0,
-        help="longest wait for a byte from D: its first byte, each gap between streamed chunks")
+    add(
+        "--decode-timeout-s",
+        type=float,
+        default=120.0,
+        help="longest wait for a byte from D: its first byte, each gap between streamed chunks",
+    )
     add("--health-interval-s", type=float, default=2.0, help="period of the active GET /health checks")
     add("--health-timeout-s", type=float, default=1.0)
     add("--unhealthy-after", type=int, default=2, help="consecutive failed checks that evict a backend")

@@ -50,8 +50,7 @@ def sub_requests(route: str, body: dict[str, Any], headers: dict[str, str]) -> l
     return [SubRequest(i, part, {**headers, REQUEST_ID_HEADER: f"{rid}-{i}"}) for i, part in enumerate(parts)]
 
 
-async def dispatch(ctx: ProxyContext, route: str, body: dict[str, Any], headers: dict[str, str],
-                   trace: Trace) -> Response:
+async def dispatch(ctx: ProxyContext, route: str, body: dict[str, Any], headers: dict[str, str], trace: Trace) -> Response:
     """The client's response: D's answer as is (one prompt), merged answers (several), or a relayed stream."""
     runner = PairRunner(ctx, route, trace, bodies.is_stream(body))
     subs = sub_requests(route, body, headers)

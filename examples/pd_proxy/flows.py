@@ -45,9 +45,9 @@ class JsonAnswer:
         except ValueError:
             data = None
         if not isinstance(data, dict):
-            raise UpstreamFailure(Role.DECODE, self.url, FailureKind.BAD_ANSWER,
-                                  f"returned a body that is not a JSON object: {self.content[:300]!r}"
-                                  ).to_proxy_error()
+            raise UpstreamFailure(
+                Role.DECODE, self.url, FailureKind.BAD_ANSWER, f"returned a body that is not a JSON object: {self.content[:300]!r}"
+            ).to_proxy_error()
         return data
 
 
@@ -105,8 +105,7 @@ class PairRunner:
         tasks, self._background = self._background, []
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
-                logger.warning("request %s: prefill failed after decode started: %s", self.trace.request_id,
-                               task.exception())
+                logger.warning("request %s: prefill failed after decode started: %s", self.trace.request_id, task.exception())
             await cancel_task(task)
 
     # -- shared pieces --
@@ -120,8 +119,9 @@ class PairRunner:
         self.trace.chose(role, backend.url)
         return backend
 
-    def _failed(self, backend: Backend, failure: UpstreamFailure, tried: dict[Role, set[Backend]],
-                last: dict[Role, UpstreamFailure]) -> None:
+    def _failed(
+        self, backend: Backend, failure: UpstreamFailure, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure]
+    ) -> None:
         tried[backend.role].add(backend)
         last[backend.role] = failure
         self.trace.failed(backend.role, backend.url)
@@ -130,8 +130,9 @@ class PairRunner:
             self.ctx.pool(backend.role).mark_failed(backend, str(failure))
 
     async def _post_prefill(self, sub: SubRequest, p: Backend, body: dict[str, Any]) -> dict[str, Any]:
-        resp = await post_json(self.ctx.http(), self.ctx.prefill.begin(p), self.route, body, sub.headers,
-                               self.ctx.config.prefill_timeout_s)
+        resp = await post_json(
+            self.ctx.http(), self.ctx.prefill.begin(p), self.route, body, sub.headers, self.ctx.config.prefill_timeout_s
+        )
         self.trace.prefill_answered()
         return answer_json(Role.PREFILL, p.url, resp)
 
@@ -146,8 +147,14 @@ class PairRunner:
         self.trace.decode_first_byte(streaming=False)
         return JsonAnswer(resp.content, resp.status_code, resp.headers.get("content-type", "application/json"), d.url)
 
-    def _decode_failed(self, d: Backend, failure: UpstreamFailure, tried: dict[Role, set[Backend]],
-                       last: dict[Role, UpstreamFailure], budget: _Budget) -> None:
+    def _decode_failed(
+        self,
+        d: Backend,
+        failure: UpstreamFailure,
+        tried: dict[Role, set[Backend]],
+        last: dict[Role, UpstreamFailure],
+        budget: _Budget,
+    ) -> None:
         """A D failure before any byte reached the client: spend a retry (a slow D is not retried)."""
         self._failed(d, failure, tried, last)
         if failure.kind is FailureKind.TIMEOUT:
@@ -156,8 +163,9 @@ class PairRunner:
 
     # -- params flow (NIXL): P answers with kv_transfer_params, D gets them --
 
-    async def _params(self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure],
-                      budget: _Budget) -> Answer:
+    async def _params(
+        self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure], budget: _Budget
+    ) -> Answer:
         while True:
             p = self._pick(Role.PREFILL, tried, last)
             try:
@@ -183,8 +191,11 @@ class PairRunner:
         answer = await self._post_prefill(sub, p, body)
         kv_params = answer.get("kv_transfer_params")
         if not isinstance(kv_params, dict):
-            logger.warning("request %s: prefill %s answered without kv_transfer_params; decode recomputes the prompt",
-                           self.trace.request_id, p.url)
+            logger.warning(
+                "request %s: prefill %s answered without kv_transfer_params; decode recomputes the prompt",
+                self.trace.request_id,
+                p.url,
+            )
             kv_params = None
         token_ids = bodies.prompt_token_ids(self.route, answer) if forward_ids else None
         return kv_params, token_ids
@@ -195,8 +206,9 @@ class PairRunner:
         body = bodies.prefill_body(sub.body, bodies.transfer_prefill_params(transfer_id), return_token_ids=False)
         await self._post_prefill(sub, p, body)
 
-    async def _transfer_pair(self, sub: SubRequest, tried: dict[Role, set[Backend]],
-                             last: dict[Role, UpstreamFailure], budget: _Budget) -> Answer | None:
+    async def _transfer_pair(
+        self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure], budget: _Budget
+    ) -> Answer | None:
         """One P with a fresh transfer id, and D (another D only if D was never reached); None: new pair."""
         p = self._pick(Role.PREFILL, tried, last)
         d = self._pick(Role.DECODE, tried, last)
@@ -231,8 +243,14 @@ class PairRunner:
             if not handed_over:
                 await cancel_task(p_task)
 
-    def _prefill_failed(self, p: Backend, p_task: asyncio.Task[None], tried: dict[Role, set[Backend]],
-                        last: dict[Role, UpstreamFailure], budget: _Budget) -> None:
+    def _prefill_failed(
+        self,
+        p: Backend,
+        p_task: asyncio.Task[None],
+        tried: dict[Role, set[Backend]],
+        last: dict[Role, UpstreamFailure],
+        budget: _Budget,
+    ) -> None:
         if p_task.cancelled():
             raise asyncio.CancelledError
         failure = p_task.exception()

@@ -15,20 +15,20 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kvc_proxy_requests", "Client requests by route and outcome",
-                                ["route", "outcome"], registry=r)
-        self.retries = Counter("kvc_proxy_retries", "Retries on another backend, by the role that failed",
-                               ["role"], registry=r)
+        self.requests = Counter("kvc_proxy_requests", "Client requests by route and outcome", ["route", "outcome"], registry=r)
+        self.retries = Counter("kvc_proxy_retries", "Retries on another backend, by the role that failed", ["role"], registry=r)
         self.evictions = Counter("kvc_proxy_evictions", "Backends taken out of rotation", ["role"], registry=r)
-        self.backend_requests = Counter("kvc_proxy_backend_requests", "Requests sent to each backend",
-                                        ["role", "url"], registry=r)
-        self.backend_seconds = Histogram("kvc_proxy_backend_seconds", "Duration of backend requests",
-                                         ["role", "url"], buckets=_SECONDS_BUCKETS, registry=r)
-        self.ttft = Histogram("kvc_proxy_ttft_seconds",
-                              "Client request arrival to the first streamed byte from D",
-                              buckets=_SECONDS_BUCKETS, registry=r)
-        self.backend_healthy = Gauge("kvc_proxy_backend_healthy", "1 while the backend is in rotation",
-                                     ["role", "url"], registry=r)
+        self.backend_requests = Counter("kvc_proxy_backend_requests", "Requests sent to each backend", ["role", "url"], registry=r)
+        self.backend_seconds = Histogram(
+            "kvc_proxy_backend_seconds", "Duration of backend requests", ["role", "url"], buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "kvc_proxy_ttft_seconds",
+            "Client request arrival to the first streamed byte from D",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.backend_healthy = Gauge("kvc_proxy_backend_healthy", "1 while the backend is in rotation", ["role", "url"], registry=r)
         for role in ("prefill", "decode"):  # visible at 0 from the start
             self.retries.labels(role)
             self.evictions.labels(role)

@@ -25,8 +25,9 @@ class RelayResponse(StreamingResponse):
     """SSE relay of opened D streams; when it ends, for whatever reason, every upstream is closed (aborting D),
     P requests still running are settled, and the request's log line is written."""
 
-    def __init__(self, ctx: ProxyContext, streams: Sequence[OpenStream], trace: Trace,
-                 settle: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, ctx: ProxyContext, streams: Sequence[OpenStream], trace: Trace, settle: Callable[[], Awaitable[None]]
+    ) -> None:
         self._ctx, self._streams, self._trace, self._settle = ctx, list(streams), trace, settle
         self._body = self._relay_one() if len(self._streams) == 1 else self._relay_merged()
         media_type = self._streams[0].response.headers.get("content-type", "text/event-stream")

@@ -59,7 +59,14 @@ class Trace:
         self.metrics.requests.labels(self.route, self.outcome.value).inc()
         logger.info(
             "request %s %s P=%s D=%s retries=%d status=%d outcome=%s p_answer=%s d_first_byte=%s total=%.3fs",
-            self.request_id, self.route, ",".join(self.chosen[Role.PREFILL]) or "-",
-            ",".join(self.chosen[Role.DECODE]) or "-", self.retries, status, self.outcome.value,
-            _seconds(self.prefill_s), _seconds(self.first_byte_s), time.perf_counter() - self.start,
+            self.request_id,
+            self.route,
+            ",".join(self.chosen[Role.PREFILL]) or "-",
+            ",".join(self.chosen[Role.DECODE]) or "-",
+            self.retries,
+            status,
+            self.outcome.value,
+            _seconds(self.prefill_s),
+            _seconds(self.first_byte_s),
+            time.perf_counter() - self.start,
         )

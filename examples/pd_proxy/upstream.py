@@ -41,12 +41,12 @@ def check_status(role: Role, url: str, resp: httpx.Response) -> None:
             raise ProxyError(status, resp.text, "backend_error", Outcome.BACKEND_REJECTED, raw=resp.content)
         msg = f"{role.value} server {url} returned HTTP {status}: {resp.text[:EXCERPT_CHARS]}"
         raise ProxyError(status, msg, "upstream_error", Outcome.BACKEND_REJECTED)
-    raise UpstreamFailure(role, url, FailureKind.SERVER_ERROR,
-                          f"returned HTTP {status}: {resp.text[:EXCERPT_CHARS]}")
+    raise UpstreamFailure(role, url, FailureKind.SERVER_ERROR, f"returned HTTP {status}: {resp.text[:EXCERPT_CHARS]}")
 
 
-async def post_json(client: httpx.AsyncClient, call: BackendCall, path: str, body: dict[str, Any],
-                    headers: dict[str, str], timeout_s: float) -> httpx.Response:
+async def post_json(
+    client: httpx.AsyncClient, call: BackendCall, path: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float
+) -> httpx.Response:
     """POST and read the whole answer; raises UpstreamFailure or ProxyError; ends `call`."""
     role, url = call.pool.role, call.backend.url
     answered = False  # a 2xx or 4xx answer: the backend did its job
@@ -71,8 +71,9 @@ def answer_json(role: Role, url: str, resp: httpx.Response) -> dict[str, Any]:
     except ValueError:
         data = None
     if not isinstance(data, dict):
-        raise UpstreamFailure(role, url, FailureKind.BAD_ANSWER,
-                              f"returned a body that is not a JSON object: {resp.text[:EXCERPT_CHARS]}")
+        raise UpstreamFailure(
+            role, url, FailureKind.BAD_ANSWER, f"returned a body that is not a JSON object: {resp.text[:EXCERPT_CHARS]}"
+        )
     return data
 
 
@@ -97,8 +98,9 @@ class OpenStream:
         self.call.end(ok)
 
 
-async def open_stream(client: httpx.AsyncClient, call: BackendCall, path: str, body: dict[str, Any],
-                      headers: dict[str, str], timeout_s: float) -> OpenStream:
+async def open_stream(
+    client: httpx.AsyncClient, call: BackendCall, path: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float
+) -> OpenStream:
     """POST with a streamed answer and wait for its first non-empty chunk."""
     role, url = call.pool.role, call.backend.url
     request = client.build_request("POST", url + path, json=body, headers=headers, timeout=timeout(timeout_s))

@@ -124,8 +124,17 @@ def _reachable(session_id: str) -> bool:
 class _PeerWorker:
     """One thread per peer: runs its jobs in order, batch by batch (the engine's wait spins a core)."""
 
-    def __init__(self, owner: str, engine: Any, mc: ModuleType, peer_name: str, info: _PeerInfo,
-                 scratch: np.ndarray, max_batch: int, metadata: bytes) -> None:
+    def __init__(
+        self,
+        owner: str,
+        engine: Any,
+        mc: ModuleType,
+        peer_name: str,
+        info: _PeerInfo,
+        scratch: np.ndarray,
+        max_batch: int,
+        metadata: bytes,
+    ) -> None:
         self.peer_name = peer_name
         self.info = info
         self.metadata = metadata  # exactly what connect() got: equal bytes mean the same peer incarnation
@@ -191,8 +200,12 @@ class _PeerWorker:
             # all our batches): read one byte of the peer's scratch to carry it.
             started = time.monotonic()
             rc = self._engine.batch_transfer_sync(
-                self.info.session_id, [self._scratch], [self.info.scratch_addr], [1],
-                self._mc.TransferOpcode.Read, self._mc.TransferNotify(self._owner, job._notif),
+                self.info.session_id,
+                [self._scratch],
+                [self.info.scratch_addr],
+                [1],
+                self._mc.TransferOpcode.Read,
+                self._mc.TransferNotify(self._owner, job._notif),
             )
             if rc != 0:
                 raise self._failure(job, "notification", f"rc {rc}", started)
@@ -214,8 +227,9 @@ class _PeerWorker:
         started = time.monotonic()
         batch_id = submit(self.info.session_id, local.tolist(), remote.tolist(), sub.length.tolist())
         if batch_id == _NO_SEGMENT:
-            raise PeerDisconnectedError(f"Mooncake {job.op} with {self.peer_name}: cannot open its segment "
-                                        f"{self.info.session_id} (peer unreachable)")
+            raise PeerDisconnectedError(
+                f"Mooncake {job.op} with {self.peer_name}: cannot open its segment {self.info.session_id} (peer unreachable)"
+            )
         if batch_id == 0:
             raise self._failure(job, f"submitting a batch of {sub.num_runs} runs", "batch id 0", started)
         speed = self._speed.get(size_class)
@@ -238,8 +252,9 @@ class _PeerWorker:
             return PeerDisconnectedError(f"{prefix}; the peer is gone (its port refuses connections)")
         if elapsed >= _SLOW_FAILURE_S:
             return TransferTimeoutError(f"{prefix}; the peer is reachable but did not answer in time (frozen?)")
-        return TransportError(f"{prefix}; the peer is alive (address outside its registered memory, "
-                              "queue full, or a transient error)")
+        return TransportError(
+            f"{prefix}; the peer is alive (address outside its registered memory, queue full, or a transient error)"
+        )
 
 
 class MooncakeTransport:
@@ -255,8 +270,9 @@ class MooncakeTransport:
     abort a submitted batch: it stops at the next. Not thread-safe: one thread drives a transport.
     """
 
-    def __init__(self, name: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
-                 device_name: str = "", max_batch: int = 1000) -> None:
+    def __init__(
+        self, name: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", max_batch: int = 1000
+    ) -> None:
         if not name:
             raise ConfigError("Mooncake transport name must be a non-empty string")
         if max_batch < 1:
@@ -279,8 +295,7 @@ class MooncakeTransport:
         rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             self._release_name()
-            raise TransportError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}, "
-                                 f"{device_name!r}) failed: rc {rc}")
+            raise TransportError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}, {device_name!r}) failed: rc {rc}")
         self._engine: Any = engine
         self.session_id = f"{hostname}:{engine.get_rpc_port()}"
         self._register_ranges([(int(self._scratch.ctypes.data), _SCRATCH_BYTES)], "*")
@@ -327,8 +342,9 @@ class MooncakeTransport:
         if old is not None and old.metadata == peer_metadata:
             return  # same incarnation
         self._forget(peer_name, "replaced by a new connection")
-        self._peers[peer_name] = _PeerWorker(self.name, self._engine, self._mc, peer_name, info, self._scratch,
-                                             self._max_batch, bytes(peer_metadata))
+        self._peers[peer_name] = _PeerWorker(
+            self.name, self._engine, self._mc, peer_name, info, self._scratch, self._max_batch, bytes(peer_metadata)
+        )
         logger.info("Mooncake %s connected to %s at %s", self.name, peer_name, info.session_id)
 
     def disconnect(self, peer_name: str) -> None:
@@ -351,15 +367,15 @@ class MooncakeTransport:
         worker = self._require_peer(peer_name)
         self._check_local(op, plan)
         batches = -(-plan.num_runs // self._max_batch)
-        handle = MooncakeXfer(peer_name, op, plan.num_runs, plan.total_bytes, batches, plan,
-                              _encode_notif(notif) if notif else None)
+        handle = MooncakeXfer(
+            peer_name, op, plan.num_runs, plan.total_bytes, batches, plan, _encode_notif(notif) if notif else None
+        )
         if plan.num_runs == 0 and not notif:
             handle._state = XferState.DONE
             return handle
         worker.submit(handle)
         self._live[id(handle)] = handle
-        logger.debug("Mooncake %s %s: %d runs, %d bytes, %d batches", op, peer_name, plan.num_runs,
-                     plan.total_bytes, batches)
+        logger.debug("Mooncake %s %s: %d runs, %d bytes, %d batches", op, peer_name, plan.num_runs, plan.total_bytes, batches)
         return handle
 
     def _check_local(self, op: str, plan: TransferPlan) -> None:
@@ -371,8 +387,10 @@ class MooncakeTransport:
         ok = (idx >= 0) & (addr + plan.length <= self._ends[np.maximum(idx, 0)]) & (plan.length > 0)
         if not ok.all():
             bad = int(np.flatnonzero(~ok)[0])
-            raise TransportError(f"Mooncake {op}: local run {bad} ({int(addr[bad]):#x}, {int(plan.length[bad])} "
-                                 "bytes) is not inside registered memory")
+            raise TransportError(
+                f"Mooncake {op}: local run {bad} ({int(addr[bad]):#x}, {int(plan.length[bad])} "
+                "bytes) is not inside registered memory"
+            )
 
     def poll(self, handle: MooncakeXfer) -> XferState:
         """Non-blocking: DONE or IN_PROGRESS; raises PeerDisconnectedError / TransportError on failure."""

@@ -155,9 +155,7 @@ def _create_agent(name: str, conf: Any, progress_delay_us: int) -> Any:
         finally:
             bind.nixlAgent = real_agent_cls
     if not applied:
-        logger.warning(
-            "could not set the NIXL progress-thread delay (nixl_agent changed); it may spin a core"
-        )
+        logger.warning("could not set the NIXL progress-thread delay (nixl_agent changed); it may spin a core")
     return agent
 
 
@@ -195,20 +193,21 @@ class NixlTransport:
         self._reg_dlists: list[Any] = []
         self._peers: dict[str, _Peer] = {}
         self._live: dict[int, NixlXfer] = {}
-        conf = api.nixl_agent_config(
-            enable_prog_thread=True, backends=[backend], num_threads=num_threads or 0
-        )
+        conf = api.nixl_agent_config(enable_prog_thread=True, backends=[backend], num_threads=num_threads or 0)
         try:
             agent = _create_agent(name, conf, progress_delay_us)
         except Exception as e:
             raise self._map_error(e, f"creating NIXL agent {name!r} with backend {backend}") from e
         if backend not in agent.backends:
-            raise TransportUnavailableError(
-                f"NIXL backend {backend!r} is not available; plugins found: {agent.get_plugin_list()}"
-            )
+            raise TransportUnavailableError(f"NIXL backend {backend!r} is not available; plugins found: {agent.get_plugin_list()}")
         self._agent: Any = agent
-        logger.info("NIXL agent %s created (backend %s, progress delay %d us, threads %s)",
-                    name, backend, progress_delay_us, num_threads or "default")
+        logger.info(
+            "NIXL agent %s created (backend %s, progress delay %d us, threads %s)",
+            name,
+            backend,
+            progress_delay_us,
+            num_threads or "default",
+        )
 
     def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
         """Register every region of the layout (base, span) as DRAM or VRAM with the engine."""
@@ -217,8 +216,7 @@ class NixlTransport:
         dev = 0 if kind is MemoryKind.HOST else device_id
         if self._reg_dlists and (mem_type, dev) != (self._mem_type, self._device_id):
             raise TransportError(
-                f"NIXL agent {self.name}: cannot mix {mem_type}:{dev} with registered "
-                f"{self._mem_type}:{self._device_id} memory"
+                f"NIXL agent {self.name}: cannot mix {mem_type}:{dev} with registered {self._mem_type}:{self._device_id} memory"
             )
         rows = np.array([(r.base, r.span, dev) for r in layout.regions], dtype=np.int64).reshape(-1, 3)
         try:
@@ -387,6 +385,7 @@ class NixlTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
     def _require_open(self) -> Any:
         agent = getattr(self, "_agent", None)
         if agent is None:

@@ -7,5 +7,4 @@ from kv_connectors.staging.transport import StagedTransport, StagedXfer
 
 _MSG_MAGIC = MSG_MAGIC  # the name tests and older code use
 
-__all__ = ["Chunks", "Copier", "CudaCopier", "HostCopier", "MSG_MAGIC", "Pair", "StagedTransport", "StagedXfer",
-           "chunk_plan"]
+__all__ = ["Chunks", "Copier", "CudaCopier", "HostCopier", "MSG_MAGIC", "Pair", "StagedTransport", "StagedXfer", "chunk_plan"]

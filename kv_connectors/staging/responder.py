@@ -136,4 +136,5 @@ class Responder:
         for s in [s for s in self._served.values() if s.peer == peer and xfer in (None, s.xfer)]:
             self._unserve(s)
         self._waiters = collections.deque(
-            w for w in self._waiters if not (isinstance(w, Serve) and w.peer == peer and xfer in (None, w.xfer)))
+            w for w in self._waiters if not (isinstance(w, Serve) and w.peer == peer and xfer in (None, w.xfer))
+        )

@@ -101,14 +101,24 @@ class StagedTransport(Initiator, Responder):
     Staging messages ride the inner transport's notifications, batched per peer and per call.
     """
 
-    def __init__(self, inner: Transport, *, pool_bytes: int, chunk_bytes: int, copier: Copier | None = None,
-                 max_runs_per_chunk: int = 1024, probe_interval_s: float = 1.0,
-                 drain_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        inner: Transport,
+        *,
+        pool_bytes: int,
+        chunk_bytes: int,
+        copier: Copier | None = None,
+        max_runs_per_chunk: int = 1024,
+        probe_interval_s: float = 1.0,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         if pool_bytes < 2 * chunk_bytes:
-            raise ConfigError(f"pool_bytes ({pool_bytes}) must hold at least 2 slots of chunk_bytes "
-                              f"({chunk_bytes}) so that chunks can be pipelined")
+            raise ConfigError(
+                f"pool_bytes ({pool_bytes}) must hold at least 2 slots of chunk_bytes "
+                f"({chunk_bytes}) so that chunks can be pipelined"
+            )
         if max_runs_per_chunk < 1:
             raise ConfigError(f"max_runs_per_chunk must be >= 1, got {max_runs_per_chunk}")
         if probe_interval_s <= 0 or drain_timeout_s <= 0:
@@ -145,9 +155,16 @@ class StagedTransport(Initiator, Responder):
         self._next_id = random.getrandbits(56)  # random start: a restarted peer does not reuse ids
         self._next_probe_check = 0.0
         self._closed = False
-        self._handlers = {Stage: self._on_stage, Ready: self._on_ready, Free: self._on_free,
-                          Want: self._on_want, Slot: self._on_slot, Scatter: self._on_scatter,
-                          Scattered: self._on_scattered, Error: self._on_error}
+        self._handlers = {
+            Stage: self._on_stage,
+            Ready: self._on_ready,
+            Free: self._on_free,
+            Want: self._on_want,
+            Slot: self._on_slot,
+            Scatter: self._on_scatter,
+            Scattered: self._on_scattered,
+            Error: self._on_error,
+        }
 
     @property
     def name(self) -> str:
@@ -166,8 +183,9 @@ class StagedTransport(Initiator, Responder):
         if self._pool is None:
             self._allocate(kind, device_id)
         elif (kind, device_id) != (self._kind, self._device_id):
-            raise TransportError(f"staging {self.name}: cannot mix {kind.value}:{device_id} KV memory with "
-                                 f"{self._kind.value}:{self._device_id}")
+            raise TransportError(
+                f"staging {self.name}: cannot mix {kind.value}:{device_id} KV memory with {self._kind.value}:{self._device_id}"
+            )
         self._kv = sorted(self._kv + [(r.base, r.base + r.span) for r in layout.regions])
         merged: list[list[int]] = []
         for start, end in self._kv:
@@ -187,19 +205,24 @@ class StagedTransport(Initiator, Responder):
         pool = torch.empty(self._pool_bytes, dtype=torch.uint8, pin_memory=pin)
         probe = torch.zeros(_PROBE_BYTES, dtype=torch.uint8)
         base = pool.data_ptr()
-        regions = (Region(base, self._pool_bytes, self._pool_bytes, 1),
-                   Region(probe.data_ptr(), _PROBE_BYTES, _PROBE_BYTES, 1))
+        regions = (Region(base, self._pool_bytes, self._pool_bytes, 1), Region(probe.data_ptr(), _PROBE_BYTES, _PROBE_BYTES, 1))
         self._inner.register(KVLayout(num_blocks=1, block_size=1, regions=regions), MemoryKind.HOST, 0)
         self._pool, self._probe_word, self._pool_base = pool, probe, base
         self._kind, self._device_id = kind, device_id
-        logger.info("staging %s: %d-byte host pool (%d slots of %d bytes, pinned=%s) for %s KV memory",
-                    self.name, self._pool_bytes, self._slots, self._chunk_bytes, pin, kind.value)
+        logger.info(
+            "staging %s: %d-byte host pool (%d slots of %d bytes, pinned=%s) for %s KV memory",
+            self.name,
+            self._pool_bytes,
+            self._slots,
+            self._chunk_bytes,
+            pin,
+            kind.value,
+        )
 
     def local_metadata(self) -> bytes:
         """The inner transport's metadata plus where our pool is."""
         self._require_pool()
-        info = StagedInfo(self._inner.local_metadata(), self._pool_base, self._pool_bytes,
-                           self._chunk_bytes, self._max_runs)
+        info = StagedInfo(self._inner.local_metadata(), self._pool_base, self._pool_bytes, self._chunk_bytes, self._max_runs)
         return MD_MAGIC + msgspec.msgpack.encode(info)
 
     def connect(self, peer_name: str, peer_metadata: bytes) -> None:
@@ -208,7 +231,7 @@ class StagedTransport(Initiator, Responder):
         if not peer_metadata.startswith(MD_MAGIC):
             raise TransportError(f"peer {peer_name} metadata is not from a StagedTransport (both sides must stage)")
         try:
-            info = msgspec.msgpack.decode(peer_metadata[len(MD_MAGIC):], type=StagedInfo)
+            info = msgspec.msgpack.decode(peer_metadata[len(MD_MAGIC) :], type=StagedInfo)
         except msgspec.DecodeError as e:
             raise TransportError(f"malformed staging metadata from {peer_name}: {e}") from e
         old = self._peers.get(peer_name)
@@ -249,14 +272,20 @@ class StagedTransport(Initiator, Responder):
         if peer is None:
             raise TransportError(f"staging peer {peer_name!r} is not connected (call connect first)")
         if peer.dead is not None:
-            raise PeerDisconnectedError(f"staging peer {peer_name} is gone ({peer.dead}); connect it again "
-                                        "once it has restarted")
+            raise PeerDisconnectedError(f"staging peer {peer_name} is gone ({peer.dead}); connect it again once it has restarted")
         self._check_kv(plan.dst if op == "READ" else plan.src, plan.length, f"local side of {op}")
-        chunks = chunk_plan(plan, min(self._chunk_bytes, peer.info.chunk_bytes),
-                            min(self._max_runs, peer.info.max_runs))
+        chunks = chunk_plan(plan, min(self._chunk_bytes, peer.info.chunk_bytes), min(self._max_runs, peer.info.max_runs))
         self._next_id += 1
-        x = StagedXfer(peer_name, op, plan.num_runs, plan.total_bytes, chunks.num_chunks, _id=self._next_id,
-                       _chunks=chunks, _notif=bytes(notif))
+        x = StagedXfer(
+            peer_name,
+            op,
+            plan.num_runs,
+            plan.total_bytes,
+            chunks.num_chunks,
+            _id=self._next_id,
+            _chunks=chunks,
+            _notif=bytes(notif),
+        )
         if chunks.num_chunks == 0:
             if notif:
                 self._inner.send_notif(peer_name, user_bytes(notif))
@@ -264,8 +293,9 @@ class StagedTransport(Initiator, Responder):
             return x
         self._xfers[x._id] = x
         self._waiters.append(x)
-        logger.debug("staged %s %s: %d runs, %d bytes, %d chunks", op, peer_name, plan.num_runs,
-                     plan.total_bytes, chunks.num_chunks)
+        logger.debug(
+            "staged %s %s: %d runs, %d bytes, %d chunks", op, peer_name, plan.num_runs, plan.total_bytes, chunks.num_chunks
+        )
         self._grant()
         self._flush()
         return x
@@ -281,8 +311,7 @@ class StagedTransport(Initiator, Responder):
         """Forget a handle; an unfinished transfer is aborted and its slots freed. Never raises."""
         try:
             if handle._state is not XferState.DONE and handle._error is None:
-                self._fail(handle, TransportError(
-                    f"staged {handle.op} with {handle.peer_name}: released before completion"))
+                self._fail(handle, TransportError(f"staged {handle.op} with {handle.peer_name}: released before completion"))
                 self._flush()
         except Exception as e:  # release must never raise (error paths call it)
             logger.warning("staging %s: releasing a transfer failed: %s", self.name, e)
@@ -348,7 +377,7 @@ class StagedTransport(Initiator, Responder):
 
     def _dispatch(self, peer_name: str, raw: bytes) -> None:
         try:
-            msgs = DEC.decode(raw[len(MSG_MAGIC):])
+            msgs = DEC.decode(raw[len(MSG_MAGIC) :])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             logger.warning("staging %s: dropped a malformed message from %s: %s", self.name, peer_name, e)
             return
@@ -358,8 +387,7 @@ class StagedTransport(Initiator, Responder):
                 continue
             peer = self._peers.get(peer_name)
             if peer is None or peer.dead is not None:
-                logger.debug("staging %s: dropped %s from unknown or gone peer %s", self.name,
-                             type(msg).__name__, peer_name)
+                logger.debug("staging %s: dropped %s from unknown or gone peer %s", self.name, type(msg).__name__, peer_name)
                 continue
             peer.last_heard = time.monotonic()
             copied = self._bytes_staged
@@ -391,8 +419,7 @@ class StagedTransport(Initiator, Responder):
     def _grant(self) -> None:
         """Hand free slots to waiters in arrival order (our transfers only up to slots - 1)."""
         while self._free and self._waiters:
-            pick = next((i for i, w in enumerate(self._waiters)
-                         if isinstance(w, Serve) or self._own_slots < self._slots - 1), None)
+            pick = next((i for i, w in enumerate(self._waiters) if isinstance(w, Serve) or self._own_slots < self._slots - 1), None)
             if pick is None:
                 return
             waiter = self._waiters[pick]
@@ -462,8 +489,13 @@ class StagedTransport(Initiator, Responder):
                 if now <= deadline:
                     keep.append((handle, slot, deadline))
                     continue
-                logger.warning("staging %s: an aborted %s to %s did not end in %.0f s; reusing its slot",
-                               self.name, x.op, x.peer_name, self._drain_timeout)
+                logger.warning(
+                    "staging %s: an aborted %s to %s did not end in %.0f s; reusing its slot",
+                    self.name,
+                    x.op,
+                    x.peer_name,
+                    self._drain_timeout,
+                )
                 self._inner.release(handle)
             if slot is not None:
                 self._give(slot, own=True)
@@ -583,8 +615,9 @@ class StagedTransport(Initiator, Responder):
         inside = (idx >= 0) & (length >= 0) & (addr + length <= self._kv_ends[np.maximum(idx, 0)])
         if not inside.all():
             bad = int(np.flatnonzero(~inside)[0])
-            raise TransportError(f"{what}: run {bad} ({int(addr[bad]):#x}, {int(length[bad])} bytes) is not "
-                                 "inside registered KV memory")
+            raise TransportError(
+                f"{what}: run {bad} ({int(addr[bad]):#x}, {int(length[bad])} bytes) is not inside registered KV memory"
+            )
 
     def _require_open(self) -> None:
         if self._closed:

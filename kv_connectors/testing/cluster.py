@@ -29,8 +29,12 @@ MOONCAKE_ENTRY_POINT_FORM = {"kv_connector": "KvcMooncakeConnector"}
 
 
 def kv_transfer_config(
-    role: str, side_channel_port: int, *, form: Mapping[str, str] = MODULE_FORM,
-    top_level: Mapping[str, Any] | None = None, **extra: Any
+    role: str,
+    side_channel_port: int,
+    *,
+    form: Mapping[str, str] = MODULE_FORM,
+    top_level: Mapping[str, Any] | None = None,
+    **extra: Any,
 ) -> str:
     """The --kv-transfer-config JSON for one instance; top_level: vLLM's own keys (e.g.
     kv_load_failure_policy, engine_id), extra: kv_connector_extra_config."""
@@ -118,8 +122,9 @@ def make_prompts(lengths: Sequence[int], vocab_size: int = 1024, seed: int = 0) 
     return [[rng.randrange(4, vocab_size) for _ in range(n)] for n in lengths]
 
 
-def generate(url: str, prompt: list[int] | str, max_tokens: int, timeout: float = 120.0, *,
-             client: httpx.Client | None = None, **extra: Any) -> httpx.Response:
+def generate(
+    url: str, prompt: list[int] | str, max_tokens: int, timeout: float = 120.0, *, client: httpx.Client | None = None, **extra: Any
+) -> httpx.Response:
     """Greedy /v1/completions returning token ids; the raw response (status not checked). Pass a
     kept-alive client where the call is timed: a new one loads the CA bundle (~20 ms here)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **extra}
@@ -137,7 +142,10 @@ def output_ids(response: httpx.Response) -> list[int]:
 def prefill(p_url: str, prompt: list[int] | str, timeout: float = 120.0) -> dict[str, Any]:
     """What the proxy does first: a 1-token request to P asking it to keep the KV for a D."""
     r = generate(
-        p_url, prompt, 1, timeout=timeout,
+        p_url,
+        prompt,
+        1,
+        timeout=timeout,
         kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
     )
     if r.status_code != 200:
@@ -148,14 +156,17 @@ def prefill(p_url: str, prompt: list[int] | str, timeout: float = 120.0) -> dict
     return params
 
 
-def transfer_id_params(
-    prefill_server: VllmServer, transfer_id: str | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def transfer_id_params(prefill_server: VllmServer, transfer_id: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The transfer-id flow's (P, D) kv_transfer_params: one id on both, P's side channel for D."""
     transfer_id = transfer_id or "kvc-" + uuid.uuid4().hex
     p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
-    d_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-                "remote_host": "127.0.0.1", "remote_port": prefill_server.side_channel_port}  # type: ignore[attr-defined]
+    d_params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": prefill_server.side_channel_port,
+    }  # type: ignore[attr-defined]
     return p_params, d_params
 
 

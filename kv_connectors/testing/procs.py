@@ -330,9 +330,7 @@ class VllmServer(ManagedProcess):
                 env["OMP_PROC_BIND"] = "true"
         root = _source_root()
         if root is not None:
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-            )
+            env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         return env
 
     @property
@@ -357,10 +355,7 @@ class VllmServer(ManagedProcess):
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}:\n"
-                        f"{self.log_tail(60)}"
-                    )
+                    raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail(60)}")
                 time.sleep(0.25)
 
     def __enter__(self) -> VllmServer:
@@ -389,9 +384,7 @@ def completion(
     """
     base = url.rstrip("/")
     endpoint = base if base.endswith("/v1/completions") else f"{base}/v1/completions"
-    prompt: str | list[int] = (
-        prompt_or_token_ids if isinstance(prompt_or_token_ids, str) else list(prompt_or_token_ids)
-    )
+    prompt: str | list[int] = prompt_or_token_ids if isinstance(prompt_or_token_ids, str) else list(prompt_or_token_ids)
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     body.update({"return_token_ids": True, **({"model": model} if model else {}), **extra})
     resp = httpx.post(endpoint, json=body, timeout=timeout)

@@ -224,9 +224,7 @@ def _read_marker(model_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _build_once(
-    final: Path, is_valid: Callable[[dict[str, Any]], bool], build: Callable[[Path], None]
-) -> Path:
+def _build_once(final: Path, is_valid: Callable[[dict[str, Any]], bool], build: Callable[[Path], None]) -> Path:
     """Build `final` via `build(tmp)` + atomic rename unless a valid copy exists.
 
     A per-target flock serialises concurrent builders (two pytest processes); the rename means
@@ -262,9 +260,7 @@ def _build_once(
     return final
 
 
-def build_tiny_model(
-    cache_dir: str | Path | None = None, *, variant: str = "tiny", seed: int = 0
-) -> Path:
+def build_tiny_model(cache_dir: str | Path | None = None, *, variant: str = "tiny", seed: int = 0) -> Path:
     """Return a dir loadable by vLLM (`--model DIR`) and transformers; built once per recipe.
 
     The dir name encodes variant, seed and RECIPE_VERSION; see `_build_once` for concurrency.
@@ -289,9 +285,7 @@ def build_tiny_model(
     return _build_once(final, lambda m: m.get("recipe") == RECIPE_VERSION, build)
 
 
-def perturb_kv_weights(
-    model_dir: str | Path, out_dir: str | Path | None = None, scale: float = 0.5, seed: int = 1
-) -> Path:
+def perturb_kv_weights(model_dir: str | Path, out_dir: str | Path | None = None, scale: float = 0.5, seed: int = 1) -> Path:
     """Copy `model_dir` with k_proj/v_proj weights perturbed by `scale` x their std of noise.
 
     config.json and the tokenizer are byte-identical to the source, so anything hashed from

@@ -22,12 +22,18 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
     kwargs go to the transport (the memory transport needs `fabric`)."""
     if kind == "nixl":
         nixl = _engine("kv_connectors.nixl.transport", "NixlTransport", "nixl")
-        return nixl(name, backend=cfg.nixl_backend, progress_delay_us=cfg.progress_delay_us,
-                    num_threads=cfg.nixl_num_threads or None, **kwargs)
+        return nixl(
+            name,
+            backend=cfg.nixl_backend,
+            progress_delay_us=cfg.progress_delay_us,
+            num_threads=cfg.nixl_num_threads or None,
+            **kwargs,
+        )
     if kind == "mooncake":
         mooncake = _engine("kv_connectors.mooncake.transport", "MooncakeTransport", "mooncake")
-        return mooncake(name, hostname=cfg.side_channel_host, protocol=cfg.mooncake_protocol,
-                        device_name=cfg.mooncake_device_name, **kwargs)
+        return mooncake(
+            name, hostname=cfg.side_channel_host, protocol=cfg.mooncake_protocol, device_name=cfg.mooncake_device_name, **kwargs
+        )
     if kind == "memory":
         from kv_connectors.transports.memory import MemoryTransport
 

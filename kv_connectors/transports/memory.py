@@ -43,7 +43,12 @@ class MemoryFabric:
 
     # side channel -------------------------------------------------------------------------------
     def serve(
-        self, host: str, port: int, compat_hash: str, handler: Handler, max_msg_bytes: int = 0,
+        self,
+        host: str,
+        port: int,
+        compat_hash: str,
+        handler: Handler,
+        max_msg_bytes: int = 0,
         secret: bytes | None = None,
     ) -> MemoryServer:
         """max_msg_bytes and secret are the zmq server's business; the fabric ignores them."""
@@ -98,8 +103,7 @@ class MemoryClient:
         server = self._fabric.servers.get((host, port))
         if server is None or f"{host}:{port}" in self._fabric.dead:
             raise HandshakeError(f"no answer from side channel {host}:{port} (peer down?)")
-        return sidechannel.reply_of(server.answer(wire.encode(body, compat_hash)), body, compat_hash, None,
-                                    f"{host}:{port}")
+        return sidechannel.reply_of(server.answer(wire.encode(body, compat_hash)), body, compat_hash, None, f"{host}:{port}")
 
     def close(self) -> None:
         pass

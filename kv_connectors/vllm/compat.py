@@ -73,11 +73,7 @@ def num_kv_cache_groups(kv_cache_config: Any) -> int:
 
 def unhashed_block_ids(blocks: Any) -> list[int]:
     """Blocks allocated for this load (not local prefix-cache hits), single KV cache group."""
-    return [
-        b.block_id
-        for b in blocks.blocks[0]
-        if b.block_hash is None and not getattr(b, "is_null", False)
-    ]
+    return [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not getattr(b, "is_null", False)]
 
 
 def model_facts(vllm_config: Any) -> dict[str, Any]:

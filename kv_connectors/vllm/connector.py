@@ -92,8 +92,12 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self._worker = WorkerSide(self._cfg, rank, self.make_transport, self.transport_name)
         logger.info(
             "%s (%s) role=%s engine=%s side channel %s:%d",
-            type(self).__name__, self.transport_name, self._cfg.role.value, self._cfg.engine_id,
-            self._cfg.side_channel_host, self._cfg.side_channel_port_for_rank(rank),
+            type(self).__name__,
+            self.transport_name,
+            self._cfg.role.value,
+            self._cfg.engine_id,
+            self._cfg.side_channel_host,
+            self._cfg.side_channel_port_for_rank(rank),
         )
 
     @classmethod
@@ -202,7 +206,5 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
 
-    def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, list(block_ids[0]) if block_ids else [])

@@ -37,9 +37,7 @@ class _Parsed:
 class SchedulerSide:
     """Runs in the EngineCore process; never blocks and never raises for a single bad request."""
 
-    def __init__(
-        self, cfg: ConnectorConfig, block_size: int, rank_port: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, cfg: ConnectorConfig, block_size: int, rank_port: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._cfg = cfg
         self._clock = clock
         self._block_size = block_size
@@ -124,9 +122,7 @@ class SchedulerSide:
                 "the decode request must carry the same prompt as the prefill request"
             )
         elif len(rp.remote_block_ids) != needed:
-            error = TransferParamsError(
-                f"remote_block_ids has {len(rp.remote_block_ids)} blocks, the prompt fills {needed}"
-            )
+            error = TransferParamsError(f"remote_block_ids has {len(rp.remote_block_ids)} blocks, the prompt fills {needed}")
         if error is not None:
             logger.debug("request %s: %s", request.request_id, error)
         return _Parsed(rp, error)

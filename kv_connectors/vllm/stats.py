@@ -112,15 +112,20 @@ class KvcPromMetrics(KVConnectorPromMetrics):
             for name, doc in COUNTERS.items()
         }
         self._gauges = {
-            name: self._per_engine(self._gauge_cls(name=f"kvc:{name}", documentation=doc, labelnames=labelnames,
-                                                   multiprocess_mode="mostrecent"))
+            name: self._per_engine(
+                self._gauge_cls(name=f"kvc:{name}", documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent")
+            )
             for name, doc in GAUGES.items()
         }
         buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
-        self._durations = self._per_engine(self._histogram_cls(
-            name=f"kvc:{DURATIONS}", documentation="Duration of each KV load, from post (or push request) to done.",
-            buckets=buckets, labelnames=labelnames,
-        ))
+        self._durations = self._per_engine(
+            self._histogram_cls(
+                name=f"kvc:{DURATIONS}",
+                documentation="Duration of each KV load, from post (or push request) to done.",
+                buckets=buckets,
+                labelnames=labelnames,
+            )
+        )
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return create_metric_per_engine(metric, self.per_engine_labelvalues)

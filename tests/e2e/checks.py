@@ -20,8 +20,34 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 MAX_TOKENS = 8
 BLOCK_SIZE = 32
 # From 1 token to near max_model_len, on and around block boundaries.
-LENGTHS = [1, 2, 3, 7, 16, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255, 256, 257, 320, 383,
-           449, 480, MAX_MODEL_LEN - MAX_TOKENS]
+LENGTHS = [
+    1,
+    2,
+    3,
+    7,
+    16,
+    31,
+    32,
+    33,
+    47,
+    63,
+    64,
+    65,
+    96,
+    127,
+    128,
+    129,
+    191,
+    200,
+    255,
+    256,
+    257,
+    320,
+    383,
+    449,
+    480,
+    MAX_MODEL_LEN - MAX_TOKENS,
+]
 PROMPTS = make_prompts(LENGTHS, seed=1)
 
 
@@ -56,10 +82,16 @@ def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy,
     assert p1.expired_leases == p0.expired_leases
     wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
     # The same counters on each server's /metrics (through vLLM's KVConnectorStats and Prometheus hooks).
-    wait_until(lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(prompts), 10,
-               "D's /metrics to count every load")
-    wait_until(lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(prompts), 10,
-               "P's /metrics to count every completed send")
+    wait_until(
+        lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(prompts),
+        10,
+        "D's /metrics to count every load",
+    )
+    wait_until(
+        lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(prompts),
+        10,
+        "P's /metrics to count every completed send",
+    )
     assert metric(prefill_server.url, "kvc:held_blocks") == 0
 
 

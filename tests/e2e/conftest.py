@@ -40,7 +40,11 @@ def prefill_server(tiny_model: Path) -> Iterator[VllmServer]:
 @pytest.fixture(scope="session")
 def decode_server(tiny_model: Path) -> Iterator[VllmServer]:
     server = pd_server(
-        tiny_model, "kv_consumer", form=ENTRY_POINT_FORM, name="D", max_model_len=MAX_MODEL_LEN,
+        tiny_model,
+        "kv_consumer",
+        form=ENTRY_POINT_FORM,
+        name="D",
+        max_model_len=MAX_MODEL_LEN,
         extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10},
     )
     with server:

@@ -19,8 +19,19 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_bench_e2e_reports_every_config_with_matching_outputs():
-    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--configs", "ours-nixl-pull,builtin-nixl",
-            "--lengths", ",".join(map(str, LENGTHS)), "--repeats", "1", "--max-tokens", str(MAX_TOKENS), "--json"]
+    argv = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_e2e.py"),
+        "--configs",
+        "ours-nixl-pull,builtin-nixl",
+        "--lengths",
+        ",".join(map(str, LENGTHS)),
+        "--repeats",
+        "1",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--json",
+    ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=540)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"

@@ -19,8 +19,17 @@ pytestmark = pytest.mark.timeout(480)
 
 
 def test_bench_faults_measures_our_connector():
-    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_faults.py"), "--connectors", "ours",
-            "--scenarios", ",".join(SCENARIOS), "--deadline-s", str(DEADLINE_S), "--json"]
+    argv = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_faults.py"),
+        "--connectors",
+        "ours",
+        "--scenarios",
+        ",".join(SCENARIOS),
+        "--deadline-s",
+        str(DEADLINE_S),
+        "--json",
+    ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=420)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
@@ -50,5 +59,5 @@ def test_bench_faults_measures_our_connector():
     message = busy["error_in_log"] or ""
     assert "SideChannelBindError" in message and str(busy["port"]) in message, busy
 
-    table = out[out.index("outcome and seconds per scenario"):]
+    table = out[out.index("outcome and seconds per scenario") :]
     assert "p-killed" in table and "side-channel-port-in-use" in table and "failed (HTTP" in table

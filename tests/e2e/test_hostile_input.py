@@ -43,8 +43,7 @@ def _frames(rng: random.Random, good_hash: str, compat: wire.CompatInfo | None) 
 
     h = rng.choice([good_hash, good_hash, "0" * 32, ""])
     bodies: list[wire.Body] = [
-        wire.ClaimRequest(key(), [wire.ClaimItem(key(), ids()) for _ in range(rng.randrange(5))],
-                          epoch=rng.choice(["", "stale"])),
+        wire.ClaimRequest(key(), [wire.ClaimItem(key(), ids()) for _ in range(rng.randrange(5))], epoch=rng.choice(["", "stale"])),
         wire.PushRequest(key(), key(), key(), key(), rng.choice([[], ids(), list(range(100_000))])),
         wire.RenewRequest(key(), [key() for _ in range(rng.randrange(5))]),
         wire.StatsRequest(),
@@ -62,8 +61,17 @@ def _frames(rng: random.Random, good_hash: str, compat: wire.CompatInfo | None) 
 def _fuzz(port: int, rng: random.Random, n: int) -> dict[str, int]:
     """n frames through one DEALER socket (no lock-step), then oversize ones; count what came back."""
     good_hash = _server_hash(port)
-    compat = wire.CompatInfo(architecture="LlamaForCausalLM", num_layers=2, hidden_size=128, num_kv_heads=2,
-                             head_size=32, vocab_size=1024, dtype="float32", block_size=32, layout=(32, 2, 4096))
+    compat = wire.CompatInfo(
+        architecture="LlamaForCausalLM",
+        num_layers=2,
+        hidden_size=128,
+        num_kv_heads=2,
+        head_size=32,
+        vocab_size=1024,
+        dtype="float32",
+        block_size=32,
+        layout=(32, 2, 4096),
+    )
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -126,8 +134,10 @@ def test_side_channel_fuzz_leaves_p_and_d_serving(reference, prefill_server, dec
         pytest.param(lambda p: {**p, "remote_block_ids": [2**63 - 1] + p["remote_block_ids"][1:]}, id="id-int64-max"),
         pytest.param(lambda p: {**p, "remote_block_ids": [2**63] + p["remote_block_ids"][1:]}, id="id-beyond-int64"),
         pytest.param(lambda p: {**p, "remote_block_ids": [-5] + p["remote_block_ids"][1:]}, id="id-negative"),
-        pytest.param(lambda p: {**p, "remote_block_ids": [p["remote_block_ids"][0] + 10**6]
-                                + p["remote_block_ids"][1:]}, id="id-beyond-peer-cache"),
+        pytest.param(
+            lambda p: {**p, "remote_block_ids": [p["remote_block_ids"][0] + 10**6] + p["remote_block_ids"][1:]},
+            id="id-beyond-peer-cache",
+        ),
         pytest.param(lambda p: {**p, "remote_block_ids": list(range(200_000))}, id="huge-list"),
         pytest.param(lambda p: {**p, "remote_block_ids": [1.5] * len(p["remote_block_ids"])}, id="float-ids"),
         pytest.param(lambda p: {**p, "remote_request_id": 7}, id="request-id-not-str"),

@@ -16,8 +16,7 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 @pytest.fixture(scope="module")
 def scratch_prefill(tiny_model):
     """A P for requests that go wrong, with a short lease, so the main P stays clean."""
-    server = pd_server(tiny_model, "kv_producer", name="P-scratch", max_model_len=MAX_MODEL_LEN,
-                       extra_config={"lease_s": 3})
+    server = pd_server(tiny_model, "kv_producer", name="P-scratch", max_model_len=MAX_MODEL_LEN, extra_config={"lease_s": 3})
     with server:
         yield server
 
@@ -66,8 +65,7 @@ def test_malformed_kv_transfer_params_fail_the_request(reference, prefill_server
 
 
 def test_incompatible_peer_is_refused(reference, prefill_server, decode_server):
-    other = pd_server(build_tiny_model(variant="base"), "kv_producer", name="P-other",
-                      max_model_len=MAX_MODEL_LEN)
+    other = pd_server(build_tiny_model(variant="base"), "kv_producer", name="P-other", max_model_len=MAX_MODEL_LEN)
     with other:
         params = prefill(other.url, PROMPT)
         _assert_failed_quickly(decode_server, params)
@@ -103,8 +101,7 @@ def test_side_channel_port_in_use_fails_start_up(tiny_model):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        server = pd_server(tiny_model, "kv_producer", side_channel_port=port, name="P-busy-port",
-                           max_model_len=MAX_MODEL_LEN)
+        server = pd_server(tiny_model, "kv_producer", side_channel_port=port, name="P-busy-port", max_model_len=MAX_MODEL_LEN)
         log = _refused_at_start_up(server, 180, "server kept running with its side-channel port taken")
         assert "side_channel_port" in log and str(port) in log, log[-2000:]
 
@@ -124,9 +121,14 @@ def _refused_at_start_up(server, timeout_s: float, why_not: str) -> str:
 
 def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
     """With vLLM's kv_load_failure_policy=recompute a failed load is recomputed on D: same output."""
-    server = pd_server(tiny_model, "kv_consumer", name="D-recompute", max_model_len=MAX_MODEL_LEN,
-                       extra_config={"handshake_timeout_s": 3, "transfer_timeout_s": 5},
-                       transfer_config={"kv_load_failure_policy": "recompute"})
+    server = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-recompute",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"handshake_timeout_s": 3, "transfer_timeout_s": 5},
+        transfer_config={"kv_load_failure_policy": "recompute"},
+    )
     producer = pd_server(tiny_model, "kv_producer", name="P-doomed", max_model_len=MAX_MODEL_LEN)
     with server:
         with producer:
@@ -141,8 +143,7 @@ def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
 
 def test_tensor_parallel_instance_is_refused_at_start_up(tiny_model):
     """TP 2 would have each rank load the peer's rank-0 heads (wrong tokens with HTTP 200): refused."""
-    server = pd_server(tiny_model, "kv_consumer", name="D-tp2", max_model_len=MAX_MODEL_LEN,
-                       multiprocessing=True, cpu_bind="0|1")
+    server = pd_server(tiny_model, "kv_consumer", name="D-tp2", max_model_len=MAX_MODEL_LEN, multiprocessing=True, cpu_bind="0|1")
     server.argv += ["--tensor-parallel-size", "2"]
     log = _refused_at_start_up(server, 240, "a TP 2 instance with our connector kept running")
     assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in log, log[-2000:]

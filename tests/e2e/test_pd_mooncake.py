@@ -27,16 +27,21 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 
 @pytest.fixture(scope="module")
 def mc_prefill(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake",
-                       max_model_len=MAX_MODEL_LEN)
+    server = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake", max_model_len=MAX_MODEL_LEN)
     with server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def mc_decode(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(tiny_model, "kv_consumer", form=MOONCAKE_ENTRY_POINT_FORM, name="D-mooncake",
-                       max_model_len=MAX_MODEL_LEN, extra_config={"transfer_timeout_s": 10})
+    server = pd_server(
+        tiny_model,
+        "kv_consumer",
+        form=MOONCAKE_ENTRY_POINT_FORM,
+        name="D-mooncake",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"transfer_timeout_s": 10},
+    )
     with server:
         yield server
 
@@ -57,8 +62,12 @@ def test_mooncake_push_greedy_equals_colocated(reference, mc_prefill, mc_decode,
 def test_mooncake_transfer_id_flow_through_proxy_and_layerwise_push(reference, mc_prefill, mc_decode):
     """The proxy sends P and D at once with a transfer id (Mooncake-style); then D first, so P
     writes layer by layer."""
-    with ProxyProcess([mc_prefill.url], [mc_decode.url], prefill_side_channels=[mc_prefill.side_channel_port],
-                      extra_args=["--flow", "transfer-id"]) as proxy:
+    with ProxyProcess(
+        [mc_prefill.url],
+        [mc_decode.url],
+        prefill_side_channels=[mc_prefill.side_channel_port],
+        extra_args=["--flow", "transfer-id"],
+    ) as proxy:
         proxy.wait_ready()
         p0 = stats(mc_prefill)
         assert_pd_matches_colocated(reference, mc_prefill, mc_decode, proxy, prompts=fresh_prompts(12))
@@ -67,13 +76,13 @@ def test_mooncake_transfer_id_flow_through_proxy_and_layerwise_push(reference, m
 
 
 def test_mooncake_foreign_kv_changes_decode_output(reference, perturbed_model, mc_decode):
-    server = pd_server(perturbed_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-perturbed",
-                       max_model_len=MAX_MODEL_LEN)
+    server = pd_server(
+        perturbed_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-perturbed", max_model_len=MAX_MODEL_LEN
+    )
     with server:
         assert_foreign_kv_changes_output(reference, server, mc_decode)
 
 
 def test_mooncake_producer_killed_fails_fast_and_decode_keeps_serving(tiny_model, reference, mc_prefill, mc_decode):
-    doomed = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-killed",
-                       max_model_len=MAX_MODEL_LEN)
+    doomed = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-killed", max_model_len=MAX_MODEL_LEN)
     assert_dead_producer_fails_fast(reference, doomed, mc_prefill, mc_decode)

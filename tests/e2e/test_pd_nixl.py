@@ -20,8 +20,11 @@ def test_pd_greedy_equals_colocated_through_proxy(reference, prefill_server, dec
 
 
 def test_chat_and_streaming_through_proxy(reference, proxy):
-    chat = {"messages": [{"role": "user", "content": "tell me about the garden and the paper"}],
-            "max_tokens": MAX_TOKENS, "temperature": 0}
+    chat = {
+        "messages": [{"role": "user", "content": "tell me about the garden and the paper"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
     ref = httpx.post(f"{reference.url}/v1/chat/completions", json=chat, timeout=60).json()
     got = httpx.post(f"{proxy.url}/v1/chat/completions", json=chat, timeout=60)
     assert got.status_code == 200, got.text

@@ -26,7 +26,11 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 @pytest.fixture(scope="module")
 def push_decode(tiny_model) -> Iterator[VllmServer]:
     server = pd_server(
-        tiny_model, "kv_consumer", form=ENTRY_POINT_FORM, name="D-push", max_model_len=MAX_MODEL_LEN,
+        tiny_model,
+        "kv_consumer",
+        form=ENTRY_POINT_FORM,
+        name="D-push",
+        max_model_len=MAX_MODEL_LEN,
         extra_config={"mode": "push", "handshake_timeout_s": 5, "transfer_timeout_s": 10},
     )
     with server:
@@ -53,8 +57,7 @@ def test_push_producer_killed_before_it_writes(tiny_model, reference, prefill_se
 
 def test_decode_killed_during_push_frees_producer_blocks(tiny_model, prefill_server):
     """D dies while its request is in flight: P frees the blocks (write failed, or lease) and keeps serving."""
-    doomed = pd_server(tiny_model, "kv_consumer", name="D-push-killed", max_model_len=MAX_MODEL_LEN,
-                       extra_config={"mode": "push"})
+    doomed = pd_server(tiny_model, "kv_consumer", name="D-push-killed", max_model_len=MAX_MODEL_LEN, extra_config={"mode": "push"})
     with doomed:
         prompt = PROMPTS[20]
         params = prefill(prefill_server.url, prompt)

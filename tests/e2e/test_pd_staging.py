@@ -31,10 +31,17 @@ SETUPS = {
 @pytest.fixture(scope="module", params=sorted(SETUPS))
 def staged_pair(request, tiny_model) -> Iterator[tuple]:
     p_form, d_form, d_extra = SETUPS[request.param]
-    p = pd_server(tiny_model, "kv_producer", form=p_form, name=f"P-staged-{request.param}",
-                  max_model_len=MAX_MODEL_LEN, extra_config=STAGING)
-    d = pd_server(tiny_model, "kv_consumer", form=d_form, name=f"D-staged-{request.param}",
-                  max_model_len=MAX_MODEL_LEN, extra_config={**STAGING, **d_extra, "transfer_timeout_s": 20})
+    p = pd_server(
+        tiny_model, "kv_producer", form=p_form, name=f"P-staged-{request.param}", max_model_len=MAX_MODEL_LEN, extra_config=STAGING
+    )
+    d = pd_server(
+        tiny_model,
+        "kv_consumer",
+        form=d_form,
+        name=f"D-staged-{request.param}",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={**STAGING, **d_extra, "transfer_timeout_s": 20},
+    )
     with p, d, ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
         yield p, d, proxy

@@ -22,9 +22,12 @@ from tests.e2e.checks import (
 @pytest.fixture(scope="module")
 def tid_proxy(prefill_server, decode_server) -> Iterator[ProxyProcess]:
     """The example proxy in its transfer-id flow: it knows P's side channel and sends P and D at once."""
-    with ProxyProcess([prefill_server.url], [decode_server.url],
-                      prefill_side_channels=[prefill_server.side_channel_port],
-                      extra_args=["--flow", "transfer-id"]) as p:
+    with ProxyProcess(
+        [prefill_server.url],
+        [decode_server.url],
+        prefill_side_channels=[prefill_server.side_channel_port],
+        extra_args=["--flow", "transfer-id"],
+    ) as p:
         p.wait_ready()
         yield p
 

@@ -52,8 +52,10 @@ def test_frozen_producer_delays_only_its_own_requests(reference, prefill_server,
         d0 = stats(decode_server)
         with concurrent.futures.ThreadPoolExecutor(FROZEN_REQUESTS) as pool:
             # D hand-shakes with the frozen P for these (never answered), while the healthy P serves.
-            stuck = [pool.submit(generate, decode_server.url, p, MAX_TOKENS, 120, kv_transfer_params=params)
-                     for p, params in zip(frozen_prompts, frozen_params)]
+            stuck = [
+                pool.submit(generate, decode_server.url, p, MAX_TOKENS, 120, kv_transfer_params=params)
+                for p, params in zip(frozen_prompts, frozen_params)
+            ]
             time.sleep(0.5)
             during = _healthy_latencies(reference, prefill_server, decode_server, seed=303)
             t0 = time.monotonic()
@@ -66,17 +68,27 @@ def test_frozen_producer_delays_only_its_own_requests(reference, prefill_server,
     finally:
         os.killpg(doomed_prefill.pgid, signal.SIGCONT)
     ratio = statistics.median(during) / statistics.median(before)
-    print(f"\nfrozen P: healthy median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms "
-          f"(ratio {ratio:.2f}); {FROZEN_REQUESTS} requests to the frozen P failed {waited:.1f} s after the healthy ones")
-    assert ratio <= 1.5, (f"healthy requests slowed {ratio:.2f}x while a P was frozen "
-                          f"(median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms)")
+    print(
+        f"\nfrozen P: healthy median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms "
+        f"(ratio {ratio:.2f}); {FROZEN_REQUESTS} requests to the frozen P failed {waited:.1f} s after the healthy ones"
+    )
+    assert ratio <= 1.5, (
+        f"healthy requests slowed {ratio:.2f}x while a P was frozen "
+        f"(median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms)"
+    )
 
 
 def _restartable_prefill(tiny_model, http_port: int, side_channel_port: int):
     # The same engine id after the restart: the same peer key on D, whose handshake is cached.
-    return pd_server(tiny_model, "kv_producer", name="P-restart", max_model_len=MAX_MODEL_LEN,
-                     side_channel_port=side_channel_port, port=http_port,
-                     transfer_config={"engine_id": "kvc-restartable-prefill"})
+    return pd_server(
+        tiny_model,
+        "kv_producer",
+        name="P-restart",
+        max_model_len=MAX_MODEL_LEN,
+        side_channel_port=side_channel_port,
+        port=http_port,
+        transfer_config={"engine_id": "kvc-restartable-prefill"},
+    )
 
 
 def test_restarted_producer_on_the_same_address_is_a_new_peer(tiny_model, reference, decode_server):

@@ -34,8 +34,9 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 MAX_TOKENS = 8
 CONCURRENCY = 8
 D_CONFIG = {"handshake_timeout_s": 5, "transfer_timeout_s": 10}
-WORDS = ("the garden paper river stone light window morning music table quiet green letter city road "
-         "winter bread friend story north").split()
+WORDS = (
+    "the garden paper river stone light window morning music table quiet green letter city road winter bread friend story north"
+).split()
 
 
 @dataclass(frozen=True)
@@ -160,16 +161,25 @@ class XPyD:
         return [self.d1, self.d2]  # type: ignore[list-item]
 
     def new_d2(self, port: int | None = None, side_channel_port: int | None = None) -> VllmServer:
-        return pd_server(self.tiny_model, "kv_consumer", form=ENTRY_POINT_FORM, name="D2",
-                         max_model_len=MAX_MODEL_LEN, extra_config=D_CONFIG, port=port,
-                         side_channel_port=side_channel_port)
+        return pd_server(
+            self.tiny_model,
+            "kv_consumer",
+            form=ENTRY_POINT_FORM,
+            name="D2",
+            max_model_len=MAX_MODEL_LEN,
+            extra_config=D_CONFIG,
+            port=port,
+            side_channel_port=side_channel_port,
+        )
 
     def start_proxy(self) -> None:
         for server in (self.p2, self.d2):
             server.wait_ready()
-        self.proxy = ProxyProcess([p.url for p in self.prefill], [d.url for d in self.decode],
-                                  extra_args=["--health-interval-s", "0.5", "--health-timeout-s", "2",
-                                              "--decode-timeout-s", "60"])
+        self.proxy = ProxyProcess(
+            [p.url for p in self.prefill],
+            [d.url for d in self.decode],
+            extra_args=["--health-interval-s", "0.5", "--health-timeout-s", "2", "--decode-timeout-s", "60"],
+        )
         self.proxy.start()
         self.proxy.wait_ready()
 
@@ -225,8 +235,10 @@ def test_100_requests_equal_colocated_and_every_server_serves(xpyd: XPyD) -> Non
     assert all(stats(d).recv_failures == s.recv_failures for d, s in zip(xpyd.decode, d0))
     health = proxy_health(xpyd.proxy)
     assert [b["served"] > 0 for b in health["prefill"] + health["decode"]] == [True] * 4
-    print(f"\n100 requests: P completed sends {sends}, D loads {loads}, "
-          f"proxy served P {[b['served'] for b in health['prefill']]} D {[b['served'] for b in health['decode']]}")
+    print(
+        f"\n100 requests: P completed sends {sends}, D loads {loads}, "
+        f"proxy served P {[b['served'] for b in health['prefill']]} D {[b['served'] for b in health['decode']]}"
+    )
     # 40 s: longer than a lease (30 s) an earlier test file may have left on the shared P
     wait_until(lambda: all(stats(p).held_blocks == 0 for p in xpyd.prefill), 40, "both P to free every block")
 
@@ -265,10 +277,12 @@ def test_load_300_requests_at_concurrency_24_no_wrong_answer(xpyd: XPyD) -> None
     latencies.sort()
     p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99) - 1]
     d_stats = [stats(d) for d in xpyd.decode]
-    print(f"\nload: {LOAD_REQUESTS} requests at concurrency {LOAD_CONCURRENCY} in {wall:.0f} s: "
-          f"{len(wrong)} wrong, {len(errors)} errors, p50 {p50:.2f} s, p99 {p99:.2f} s; "
-          f"stale reads refused {[s.stale_reads_refused for s in d_stats]}, "
-          f"lease renewals {[s.lease_renewals for s in d_stats]}; errors {errors[:5]}")
+    print(
+        f"\nload: {LOAD_REQUESTS} requests at concurrency {LOAD_CONCURRENCY} in {wall:.0f} s: "
+        f"{len(wrong)} wrong, {len(errors)} errors, p50 {p50:.2f} s, p99 {p99:.2f} s; "
+        f"stale reads refused {[s.stale_reads_refused for s in d_stats]}, "
+        f"lease renewals {[s.lease_renewals for s in d_stats]}; errors {errors[:5]}"
+    )
     assert not wrong, f"{len(wrong)} answered with tokens other than colocated: {wrong[:3]}"
     assert len(errors) <= LOAD_REQUESTS * 0.05, errors[:10]
     no_answer = [_log_count(d, "no answer from side channel") - n for d, n in zip(xpyd.decode, no_answer0)]
@@ -289,32 +303,44 @@ def test_client_disconnect_mid_stream_aborts_d_and_frees_p(xpyd: XPyD) -> None:
             for _ in range(3):
                 next(chunks)
         # leaving the block closes the connection mid-stream
-    wait_until(lambda: all(metric(d.url, "vllm:num_requests_running") == 0 for d in xpyd.decode), 15,
-               "D to abort the request")
+    wait_until(lambda: all(metric(d.url, "vllm:num_requests_running") == 0 for d in xpyd.decode), 15, "D to abort the request")
     generated = sum(metric(d.url, "vllm:generation_tokens_total") for d in xpyd.decode) - gen0
     assert generated < max_tokens, f"D generated {generated} of {max_tokens} tokens: not aborted"
     wait_until(lambda: all(stats(p).held_blocks == 0 for p in xpyd.prefill), 15, "both P to free the blocks")
-    wait_until(lambda: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="client_disconnected")
-               == gone0 + 1, 10, "the proxy to count the disconnect")
+    wait_until(
+        lambda: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="client_disconnected") == gone0 + 1,
+        10,
+        "the proxy to count the disconnect",
+    )
     assert all(b["outstanding"] == 0 for b in proxy_health(xpyd.proxy)["decode"])
 
 
-@pytest.mark.parametrize("path, kwargs, status, words", [
-    ("/v1/completions", {"content": b"{oops"}, 400, "invalid JSON"),
-    ("/v1/completions", {"json": [1, 2]}, 400, "JSON object"),
-    ("/v1/completions", {"json": {"max_tokens": 4}}, 400, "'prompt'"),
-    ("/v1/chat/completions", {"json": {"messages": "hello"}}, 400, "'messages'"),
-    ("/v1/completions", {"json": {"prompt": "a", "max_tokens": -3}}, 400, "'max_tokens'"),
-    ("/v1/completions", {"json": {"prompt": "a", "stream": "no"}}, 400, "'stream'"),
-    ("/v1/completions", {"json": {"prompt": "a", "n": 3}}, 400, "'n' > 1"),
-    ("/v1/completions", {"json": {"prompt": "x" * (9 << 20)}}, 413, "exceeds"),
-    ("/v1/completions", {"json": {"prompt": make_prompts([MAX_MODEL_LEN + 50])[0], "max_tokens": 4}}, 400,
-     "maximum context length"),
-    ("/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "word " * 900}], "stream": True}},
-     400, "context length"),
-])
-def test_bad_input_gets_openai_errors_and_proxy_keeps_serving(xpyd: XPyD, path: str, kwargs: dict, status: int,
-                                                             words: str) -> None:
+@pytest.mark.parametrize(
+    "path, kwargs, status, words",
+    [
+        ("/v1/completions", {"content": b"{oops"}, 400, "invalid JSON"),
+        ("/v1/completions", {"json": [1, 2]}, 400, "JSON object"),
+        ("/v1/completions", {"json": {"max_tokens": 4}}, 400, "'prompt'"),
+        ("/v1/chat/completions", {"json": {"messages": "hello"}}, 400, "'messages'"),
+        ("/v1/completions", {"json": {"prompt": "a", "max_tokens": -3}}, 400, "'max_tokens'"),
+        ("/v1/completions", {"json": {"prompt": "a", "stream": "no"}}, 400, "'stream'"),
+        ("/v1/completions", {"json": {"prompt": "a", "n": 3}}, 400, "'n' > 1"),
+        ("/v1/completions", {"json": {"prompt": "x" * (9 << 20)}}, 413, "exceeds"),
+        (
+            "/v1/completions",
+            {"json": {"prompt": make_prompts([MAX_MODEL_LEN + 50])[0], "max_tokens": 4}},
+            400,
+            "maximum context length",
+        ),
+        (
+            "/v1/chat/completions",
+            {"json": {"messages": [{"role": "user", "content": "word " * 900}], "stream": True}},
+            400,
+            "context length",
+        ),
+    ],
+)
+def test_bad_input_gets_openai_errors_and_proxy_keeps_serving(xpyd: XPyD, path: str, kwargs: dict, status: int, words: str) -> None:
     resp = httpx.post(xpyd.proxy.url + path, timeout=60, **kwargs)
     assert resp.status_code == status, resp.text[:300]
     error = resp.json()["error"]
@@ -326,8 +352,10 @@ def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> N
     reference = xpyd.reference
     cases = make_cases(48, seed=33, max_tokens=96)  # long enough to be in flight on D2 when it dies
     want = expected(reference, cases)
-    before = {name: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome=name)
-              for name in ("ok", "upstream_error", "upstream_timeout", "failed_mid_stream", "no_backend")}
+    before = {
+        name: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome=name)
+        for name in ("ok", "upstream_error", "upstream_timeout", "failed_mid_stream", "no_backend")
+    }
     retries0 = proxy_metric(xpyd.proxy, "kvc_proxy_retries_total", role="decode")
     done = [0]
     lock = threading.Lock()
@@ -356,9 +384,11 @@ def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> N
     assert sum(after[n] - before[n] for n in before if n != "ok") == len(errors), (errors, after, before)
     assert len(errors) <= CONCURRENCY, errors  # only requests already streaming from D2 may fail
     retries = proxy_metric(xpyd.proxy, "kvc_proxy_retries_total", role="decode") - retries0
-    print(f"\nD2 killed after 10 of {len(cases)} requests: {len(cases) - len(errors)} ok, {len(errors)} clear errors "
-          f"{[e.error[:80] for e in errors]}, decode retries {retries:g}, outcomes "
-          f"{ {n: after[n] - before[n] for n in before} }")
+    print(
+        f"\nD2 killed after 10 of {len(cases)} requests: {len(cases) - len(errors)} ok, {len(errors)} clear errors "
+        f"{[e.error[:80] for e in errors]}, decode retries {retries:g}, outcomes "
+        f"{ {n: after[n] - before[n] for n in before} }"
+    )
     assert retries >= 1
 
     # The dead D is out of rotation and new requests succeed on the other one.

@@ -23,17 +23,28 @@ PROMPTS = make_prompts([200, 300, 150], seed=78)
 
 @pytest.fixture(scope="module")
 def short_lease_prefill(tiny_model):
-    server = pd_server(tiny_model, "kv_producer", name="P-short-lease", max_model_len=MAX_MODEL_LEN,
-                       kv_cache_bytes=SMALL_KV_BYTES, extra_config={"lease_s": LEASE_S})
+    server = pd_server(
+        tiny_model,
+        "kv_producer",
+        name="P-short-lease",
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_bytes=SMALL_KV_BYTES,
+        extra_config={"lease_s": LEASE_S},
+    )
     with server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def recompute_decode(tiny_model):
-    server = pd_server(tiny_model, "kv_consumer", name="D-recompute-stale", max_model_len=MAX_MODEL_LEN,
-                       extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10},
-                       transfer_config={"kv_load_failure_policy": "recompute"})
+    server = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-recompute-stale",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10},
+        transfer_config={"kv_load_failure_policy": "recompute"},
+    )
     with server:
         yield server
 
@@ -87,15 +98,19 @@ def test_stale_read_recomputes_with_policy_recompute(reference, short_lease_pref
 @pytest.fixture(scope="module")
 def one_seq_decode(tiny_model):
     """A D that runs one request at a time: others wait in its queue."""
-    server = pd_server(tiny_model, "kv_consumer", name="D-one-seq", max_model_len=MAX_MODEL_LEN,
-                       extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10})
+    server = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-one-seq",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10},
+    )
     server.argv += ["--max-num-seqs", "1"]
     with server:
         yield server
 
 
-def test_heartbeats_keep_the_kv_of_a_request_queued_for_3x_the_lease(reference, short_lease_prefill,
-                                                                     one_seq_decode):
+def test_heartbeats_keep_the_kv_of_a_request_queued_for_3x_the_lease(reference, short_lease_prefill, one_seq_decode):
     prompt = make_prompts([230], seed=81)[0]
     expected = output_ids(generate(reference.url, prompt, MAX_TOKENS))
     fillers = make_prompts([8] * 12, seed=82)
@@ -103,8 +118,7 @@ def test_heartbeats_keep_the_kv_of_a_request_queued_for_3x_the_lease(reference, 
     params = prefill(short_lease_prefill.url, prompt)
     with concurrent.futures.ThreadPoolExecutor(len(fillers) + 1) as pool:
         # D busy with long generations, one at a time: the PD request waits behind them.
-        busy = [pool.submit(generate, one_seq_decode.url, f, MAX_MODEL_LEN - 16, 300, ignore_eos=True)
-                for f in fillers]
+        busy = [pool.submit(generate, one_seq_decode.url, f, MAX_MODEL_LEN - 16, 300, ignore_eos=True) for f in fillers]
         time.sleep(0.5)
         t0 = time.monotonic()
         r = pool.submit(generate, one_seq_decode.url, prompt, MAX_TOKENS, 300, kv_transfer_params=params).result()
@@ -114,8 +128,9 @@ def test_heartbeats_keep_the_kv_of_a_request_queued_for_3x_the_lease(reference, 
     assert waited >= 3 * LEASE_S, f"the drill's request waited only {waited:.1f} s (< 3x the {LEASE_S:g} s lease)"
     assert output_ids(r) == expected, "D's output differs from colocated"
     d1 = stats(one_seq_decode)
-    assert d1.recv_transfers == d0.recv_transfers + 1 and d1.recv_failures == d0.recv_failures, \
+    assert d1.recv_transfers == d0.recv_transfers + 1 and d1.recv_failures == d0.recv_failures, (
         "D did not load P's KV (recomputed or failed)"
+    )
     assert d1.lease_renewals > d0.lease_renewals
     wait_until(lambda: stats(short_lease_prefill).held_blocks == 0, 10, "P to free its blocks")
     p1 = stats(short_lease_prefill)

@@ -127,24 +127,18 @@ def test_perturbed_kv_weights_change_output_but_not_config(servers: Servers) -> 
 
 def test_build_is_deterministic_cached_and_concurrency_safe(tmp_path: Path) -> None:
     # Two processes build into the same empty cache at once; a third builds elsewhere.
-    code = (
-        "import sys; from kv_connectors.testing.tiny_model import build_tiny_model; "
-        "print(build_tiny_model(sys.argv[1]))"
-    )
+    code = "import sys; from kv_connectors.testing.tiny_model import build_tiny_model; print(build_tiny_model(sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     dirs = [tmp_path / "shared", tmp_path / "shared", tmp_path / "other"]
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, env=env)
-        for d in dirs
-    ]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, env=env) for d in dirs]
     outs = [p.communicate(timeout=300)[0].decode().strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert outs[0] == outs[1]
     digests = [json.loads((Path(o) / MARKER_FILE).read_text())["digest"] for o in outs]
     assert len(set(digests)) == 1, "same seed must give byte-identical model and tokenizer"
-    assert sorted(p.name for p in (tmp_path / "shared").iterdir() if not p.name.startswith(".")) == [
-        Path(outs[0]).name
-    ], "temp build dirs were left behind"
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir() if not p.name.startswith(".")) == [Path(outs[0]).name], (
+        "temp build dirs were left behind"
+    )
     t0 = time.monotonic()
     assert build_tiny_model(tmp_path / "shared") == Path(outs[0])
     assert time.monotonic() - t0 < 1.0, "cached model was rebuilt"
@@ -214,4 +208,3 @@ def test_stop_leaves_no_vllm_process_behind(servers: Servers) -> None:
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
     assert not srv.is_running()
-

@@ -179,8 +179,9 @@ def open_local(spec: PeerSpec, peers: Sequence[Peer] = ()) -> Local:
 
 
 # Waits ---------------------------------------------------------------------------------------
-def wait_all(t: Any, handles: Sequence[Any], timeout: float, on_poll: Callable[[], None] | None = None,
-             sleep_s: float = 0.0002) -> None:
+def wait_all(
+    t: Any, handles: Sequence[Any], timeout: float, on_poll: Callable[[], None] | None = None, sleep_s: float = 0.0002
+) -> None:
     """Poll until every handle is DONE (errors propagate), then release them (also on failure)."""
     deadline = time.monotonic() + timeout
     pending = list(handles)
@@ -190,8 +191,9 @@ def wait_all(t: Any, handles: Sequence[Any], timeout: float, on_poll: Callable[[
             if on_poll is not None:
                 on_poll()
             if pending and time.monotonic() > deadline:
-                raise AssertionError(f"transfers not done within {timeout} s: "
-                                     f"{[(h.op, getattr(h, 'chunks_done', '?'), h.nbytes) for h in pending]}")
+                raise AssertionError(
+                    f"transfers not done within {timeout} s: {[(h.op, getattr(h, 'chunks_done', '?'), h.nbytes) for h in pending]}"
+                )
             time.sleep(sleep_s if pending else 0)
     finally:
         for h in handles:
@@ -247,8 +249,9 @@ def random_pairs(rng: np.random.Generator, nb: int) -> tuple[list[int], list[int
     return [pairs[i][0] for i in order], [pairs[i][1] for i in order]
 
 
-def pick_blocks(seed: int, n: int = 256, src_pool: Sequence[int] = range(STAGED_BLOCKS),
-                dst_pool: Sequence[int] = range(STAGED_BLOCKS)) -> tuple[list[int], list[int]]:
+def pick_blocks(
+    seed: int, n: int = 256, src_pool: Sequence[int] = range(STAGED_BLOCKS), dst_pool: Sequence[int] = range(STAGED_BLOCKS)
+) -> tuple[list[int], list[int]]:
     """n shuffled pairs; where both pools allow, 40 blocks consecutive on both sides (100..139 ->
     200..239: a run longer than a 64 KiB chunk in the packed regions of the "staged" profile)."""
     rng = np.random.default_rng(seed)

@@ -39,11 +39,11 @@ SMALL_BLOCKS = 32  # "small": five regions, packed and padded ones, 512-byte seg
 BIG_BLOCKS = 8192  # "big": one region of 4 KiB blocks, 32 MiB (long enough to be killed mid-read)
 STAGED_BLOCKS = 320  # "staged": 16 KiB blocks over 4 regions (packed, K/V-split packed, padded)
 PROFILES = {
-    "small": Profile(SMALL_BLOCKS, 4, ((32, 2, 4, 16), (32, 2, 4, 16), (2, 32, 4, 2, 8), (32, 160)),
-                     (0, 0, 1, 0), (None, None, None, 128)),
+    "small": Profile(
+        SMALL_BLOCKS, 4, ((32, 2, 4, 16), (32, 2, 4, 16), (2, 32, 4, 2, 8), (32, 160)), (0, 0, 1, 0), (None, None, None, 128)
+    ),
     "big": Profile(BIG_BLOCKS, 4, ((BIG_BLOCKS, 1024),), (0,), (None,)),
-    "staged": Profile(STAGED_BLOCKS, 16, ((320, 2, 8, 64), (2, 320, 1024), (320, 1024 + 64)),
-                      (0, 1, 0), (None, None, 1024)),
+    "staged": Profile(STAGED_BLOCKS, 16, ((320, 2, 8, 64), (2, 320, 1024), (320, 1024 + 64)), (0, 1, 0), (None, None, 1024)),
 }
 
 
@@ -81,8 +81,7 @@ def layout_of(storage: Sequence[Any]) -> KVLayout:
     return build_layout(infos, prof.num_blocks, block_size=prof.block_size)
 
 
-def block_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], src_ids: Sequence[int],
-               dst_ids: Sequence[int]) -> None:
+def block_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
     """Reference copy (in place on dst): what a transfer of src_ids -> dst_ids must produce."""
     s, d = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
     prof = profile_of(dst)
@@ -192,8 +191,7 @@ class _Server:
         self.paused_until = time.monotonic() + seconds
         return "ok"
 
-    def cmd_read(self, peer: str, remote: KVLayout, src_ids: Sequence[int], dst_ids: Sequence[int],
-                 notif: bytes) -> str:
+    def cmd_read(self, peer: str, remote: KVLayout, src_ids: Sequence[int], dst_ids: Sequence[int], notif: bytes) -> str:
         self.handles.append(self.t.post_read(peer, plan_transfer(remote, src_ids, self.layout, dst_ids), notif))
         return "ok"
 

@@ -14,8 +14,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("transport,mode", [("nixl", "pull"), ("mooncake", "push")])
 def test_bench_staging_reports_direct_and_staged(transport: str, mode: str, loopback_env: None) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_staging.py"), "--transport", transport, "--mode", mode,
-           "--size-mib", "16", "--chunk-kib", "256,1024", "--repeat", "2", "--json"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_staging.py"),
+        "--transport",
+        transport,
+        "--mode",
+        mode,
+        "--size-mib",
+        "16",
+        "--chunk-kib",
+        "256,1024",
+        "--repeat",
+        "2",
+        "--json",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -200,10 +200,7 @@ def test_process_with_an_agent_exits_cleanly():
     """nixl's bundled libnl next to the system's (installed for Mooncake) crashed at exit (SIGSEGV)."""
     import subprocess
 
-    code = (
-        "from kv_connectors.nixl.transport import NixlTransport\n"
-        "t = NixlTransport('exit-check'); t.close()\n"
-    )
+    code = "from kv_connectors.nixl.transport import NixlTransport\nt = NixlTransport('exit-check'); t.close()\n"
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]

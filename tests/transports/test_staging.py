@@ -53,8 +53,9 @@ def local_spec(kind: str, pool: int = POOL, chunk: int = CHUNK) -> PeerSpec:
     return spec(kind, f"d{next(_names)}-{os.getpid()}", pool=pool, chunk=chunk)
 
 
-def wait_all(t: StagedTransport, handles: Sequence[StagedXfer], timeout: float = WAIT_S,
-             on_poll: Callable[[], None] | None = None) -> None:
+def wait_all(
+    t: StagedTransport, handles: Sequence[StagedXfer], timeout: float = WAIT_S, on_poll: Callable[[], None] | None = None
+) -> None:
     helpers.wait_all(t, handles, timeout, on_poll)
 
 
@@ -143,7 +144,6 @@ def test_bad_configuration() -> None:
         StagedTransport(None, pool_bytes=100, chunk_bytes=0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         StagedTransport(None, pool_bytes=1024, chunk_bytes=64, probe_interval_s=0)  # type: ignore[arg-type]
-
 
 
 # Real engines --------------------------------------------------------------------------------
@@ -322,8 +322,10 @@ def test_peer_killed_mid_transfer(kind: str, when: str) -> None:
         loc = open_local(local_spec(kind, pool=8 * chunk, chunk=chunk), peers)
         t = loc.transport
         r, w, theirs = pick_blocks(seed=10), pick_blocks(seed=11), pick_blocks(seed=12)
-        handles = [t.post_read(p.name, plan_transfer(p.layout, r[0], loc.layout, r[1]), b""),
-                   t.post_write(p.name, plan_transfer(loc.layout, w[0], p.layout, w[1]), b"")]
+        handles = [
+            t.post_read(p.name, plan_transfer(p.layout, r[0], loc.layout, r[1]), b""),
+            t.post_write(p.name, plan_transfer(loc.layout, w[0], p.layout, w[1]), b""),
+        ]
         assert p.call("read", t.name, loc.layout, theirs[0], theirs[1], b"") == "ok"
         deadline = time.monotonic() + WAIT_S
         while min(h.chunks_done for h in handles) < 2 or t.pool_stats()["slots_in_use"] < 2:

@@ -33,8 +33,15 @@ class FakeClock:
 
 def compat_for(layout: Any) -> wire.CompatInfo:
     return wire.CompatInfo(
-        architecture="Tiny", num_layers=1, hidden_size=8, num_kv_heads=1, head_size=8, vocab_size=16,
-        dtype="float32", block_size=BLOCK_SIZE, layout=layout.shape_signature(),
+        architecture="Tiny",
+        num_layers=1,
+        hidden_size=8,
+        num_kv_heads=1,
+        head_size=8,
+        vocab_size=16,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        layout=layout.shape_signature(),
     )
 
 
@@ -71,11 +78,15 @@ class Cluster:
     def __init__(self, p_extra: dict | None = None, d_extra: dict | None = None, d_delay_s: float = 0.0) -> None:
         self.clock = FakeClock()
         self.fabric = MemoryFabric(self.clock)
-        self.p = self._node("P", "kv_producer", P_PORT, {"lease_s": 5, "transfer_timeout_s": 10, **(p_extra or {})},
-                            fill=1.0)
-        self.d = self._node("D", "kv_consumer", D_PORT,
-                            {"handshake_timeout_s": 2, "transfer_timeout_s": 10, **(d_extra or {})}, fill=-1.0,
-                            delay_s=d_delay_s)
+        self.p = self._node("P", "kv_producer", P_PORT, {"lease_s": 5, "transfer_timeout_s": 10, **(p_extra or {})}, fill=1.0)
+        self.d = self._node(
+            "D",
+            "kv_consumer",
+            D_PORT,
+            {"handshake_timeout_s": 2, "transfer_timeout_s": 10, **(d_extra or {})},
+            fill=-1.0,
+            delay_s=d_delay_s,
+        )
 
     def _node(self, engine_id: str, role: str, port: int, extra: dict, fill: float, delay_s: float = 0.0) -> Node:
         cfg = parse_config(engine_id, role, {"side_channel_port": port, **extra})
@@ -89,15 +100,15 @@ class Cluster:
             made.append(MemoryTransport(name, self.fabric, delay_s=delay_s))
             return made[-1]
 
-        engine = WorkerEngine(cfg, 0, make, "memory", serve=self.fabric.serve, client=self.fabric.client(),
-                              clock=self.clock)
+        engine = WorkerEngine(cfg, 0, make, "memory", serve=self.fabric.serve, client=self.fabric.client(), clock=self.clock)
         # Each region is one "layer" (layer-wise push writes a layer's regions as it is computed).
         engine.register(layout, compat_for(layout), layer_regions={"layer.0": (0,), "layer.1": (1,)})
         return Node(engine, kv, made[-1])
 
     def add_consumer(self, engine_id: str = "D2", port: int = D2_PORT, extra: dict | None = None) -> Node:
-        return self._node(engine_id, "kv_consumer", port,
-                          {"handshake_timeout_s": 2, "transfer_timeout_s": 10, **(extra or {})}, fill=-2.0)
+        return self._node(
+            engine_id, "kv_consumer", port, {"handshake_timeout_s": 2, "transfer_timeout_s": 10, **(extra or {})}, fill=-2.0
+        )
 
     # P's side -----------------------------------------------------------------------------------
     def prefill_done(self, rid: str, blocks: tuple[int, ...], key: str | None = None) -> None:
@@ -109,10 +120,8 @@ class Cluster:
 
     # D's side -----------------------------------------------------------------------------------
     @staticmethod
-    def recv(node: Node, rid: str, remote_rid: str, local: tuple[int, ...], remote: tuple[int, ...],
-             report: bool = True) -> None:
-        node.step(StepMetadata(reqs_to_recv={rid: RecvSpec(("P", "127.0.0.1", P_PORT), remote_rid, local, remote,
-                                                           report=report)}))
+    def recv(node: Node, rid: str, remote_rid: str, local: tuple[int, ...], remote: tuple[int, ...], report: bool = True) -> None:
+        node.step(StepMetadata(reqs_to_recv={rid: RecvSpec(("P", "127.0.0.1", P_PORT), remote_rid, local, remote, report=report)}))
 
     def run(self, steps: int = 5, dt: float = 0.001, nodes: tuple[Node, ...] | None = None) -> None:
         for _ in range(steps):

@@ -16,8 +16,14 @@ from pd_proxy.config import BackendSpec, ProxyConfig, SideChannel
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
 D1, D2 = "http://d1.test:8200", "http://d2.test:8200"
-KV_FROM_P = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "eng-p",
-             "remote_block_ids": [3, 4], "remote_host": "10.0.0.1", "remote_port": 5600}
+KV_FROM_P = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "eng-p",
+    "remote_block_ids": [3, 4],
+    "remote_host": "10.0.0.1",
+    "remote_port": 5600,
+}
 PROMPT_IDS = [1, 17, 42]
 
 
@@ -35,8 +41,7 @@ def text_chunks(texts: list[str], usage: dict[str, int] | None = None) -> list[b
 class ChunkStream(httpx.AsyncByteStream):
     """A D response body that yields chunks (optionally slowly, optionally failing) and records its closing."""
 
-    def __init__(self, chunks: list[bytes], delay_s: float = 0.0, fail: Exception | None = None,
-                 fail_first: bool = False) -> None:
+    def __init__(self, chunks: list[bytes], delay_s: float = 0.0, fail: Exception | None = None, fail_first: bool = False) -> None:
         self.chunks, self.delay_s, self.fail, self.fail_first = chunks, delay_s, fail, fail_first
         self.sent = 0
         self.closed = False
@@ -134,8 +139,7 @@ class Fleet:
             server.error_times -= 1
             raise server.error
         if server.status != 200:
-            return httpx.Response(server.status, json={"error": {"message": f"{server.role} failed",
-                                                                 "code": server.status}})
+            return httpx.Response(server.status, json={"error": {"message": f"{server.role} failed", "code": server.status}})
         if server.answer is not None:
             return httpx.Response(200, json=server.answer(body))
         if server.role == "prefill":
@@ -148,8 +152,7 @@ class Fleet:
 
 
 def prefill_answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
-    answer: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}],
-                              "kv_transfer_params": KV_FROM_P}
+    answer: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}], "kv_transfer_params": KV_FROM_P}
     if body.get("return_token_ids"):
         if path.endswith("/chat/completions"):
             answer["prompt_token_ids"] = PROMPT_IDS
@@ -160,30 +163,32 @@ def prefill_answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def decode_answer(url: str, body: dict[str, Any]) -> dict[str, Any]:
     prompt = body.get("prompt")
-    return {"id": "cmpl-d", "object": "text_completion", "model": "m",
-            "choices": [{"index": 0, "text": f"decoded({prompt!r})", "from": url}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    return {
+        "id": "cmpl-d",
+        "object": "text_completion",
+        "model": "m",
+        "choices": [{"index": 0, "text": f"decoded({prompt!r})", "from": url}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
 
 
-def config(prefill: tuple[str, ...] = (P1,), decode: tuple[str, ...] = (D1,),
-           side_channels: dict[str, str] | None = None, **kwargs: Any) -> ProxyConfig:
+def config(
+    prefill: tuple[str, ...] = (P1,), decode: tuple[str, ...] = (D1,), side_channels: dict[str, str] | None = None, **kwargs: Any
+) -> ProxyConfig:
     def spec(url: str) -> BackendSpec:
         sc = (side_channels or {}).get(url)
         host, port = sc.rsplit(":", 1) if sc else ("", "0")
         return BackendSpec(url, SideChannel(host, int(port)) if sc else None)
 
-    return ProxyConfig(prefill=tuple(spec(u) for u in prefill), decode=tuple(BackendSpec(u) for u in decode),
-                       **kwargs)
+    return ProxyConfig(prefill=tuple(spec(u) for u in prefill), decode=tuple(BackendSpec(u) for u in decode), **kwargs)
 
 
 @asynccontextmanager
-async def running(cfg: ProxyConfig, fleet: Fleet, health_checks: bool = False
-                  ) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+async def running(cfg: ProxyConfig, fleet: Fleet, health_checks: bool = False) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """The proxy app with its lifespan running in this loop, and a client talking to it over ASGI."""
     app = pd_proxy.build_app(cfg, transport=httpx.MockTransport(fleet.handler), health_checks=health_checks)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy",
-                                     timeout=10) as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy", timeout=10) as client:
             yield app, client
 
 
@@ -201,16 +206,31 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def asgi_stream(app: Any, body: dict[str, Any], disconnect: asyncio.Event | None = None,
-                      disconnect_after: int | None = None, path: str = "/v1/completions",
-                      spec_version: str = "2.3") -> tuple[list[dict[str, Any]], list[bytes]]:
+async def asgi_stream(
+    app: Any,
+    body: dict[str, Any],
+    disconnect: asyncio.Event | None = None,
+    disconnect_after: int | None = None,
+    path: str = "/v1/completions",
+    spec_version: str = "2.3",
+) -> tuple[list[dict[str, Any]], list[bytes]]:
     """Drive the app over raw ASGI (lifespan must already run). The client goes away when `disconnect` is set
     or after `disconnect_after` body chunks. Returns the messages sent and the body chunks."""
     request = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 8000)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": spec_version},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 8000),
+    }
     gone = disconnect or asyncio.Event()
     messages: list[dict[str, Any]] = []
     chunks: list[bytes] = []

@@ -11,8 +11,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hooks.py"
 
 
 def test_bench_hooks_smoke():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--requests", "8", "--steps", "2", "--prompt-len", "100",
-                          "--json"], capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--requests", "8", "--steps", "2", "--prompt-len", "100", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["requests"] == 8
     for role in ("decode", "prefill"):

@@ -51,8 +51,11 @@ def test_percentile_interpolates_between_ranks_like_numpy():
 
 
 def test_summarize_means_percentiles_and_per_length():
-    samples = [Sample(128, 0.010, 0.050, (1, 2, 3, 4)), Sample(128, 0.030, 0.070, (1, 2, 3, 4)),
-               Sample(256, 0.020, 0.100, (5, 6, 7, 8), first_chunk_tokens=3)]
+    samples = [
+        Sample(128, 0.010, 0.050, (1, 2, 3, 4)),
+        Sample(128, 0.030, 0.070, (1, 2, 3, 4)),
+        Sample(256, 0.020, 0.100, (5, 6, 7, 8), first_chunk_tokens=3),
+    ]
     s = summarize(samples, wall_s=0.2)
     assert s["requests"] == 3
     assert s["ttft_mean_ms"] == 20.0
@@ -83,8 +86,15 @@ def test_kv_figures_and_ratio_handle_unknowns():
 def _entry(ttft: float, gbps: float | None, ok: bool = True) -> dict:
     figures = {f: None for f in RATIO_FIGURES}
     if ok:
-        figures.update(ttft_mean_ms=ttft, ttft_p50_ms=ttft, ttft_p99_ms=2 * ttft, e2e_mean_ms=3 * ttft,
-                       output_tok_s=100.0, kv_bytes=None if gbps is None else 1000, gbps=gbps)
+        figures.update(
+            ttft_mean_ms=ttft,
+            ttft_p50_ms=ttft,
+            ttft_p99_ms=2 * ttft,
+            e2e_mean_ms=3 * ttft,
+            output_tok_s=100.0,
+            kv_bytes=None if gbps is None else 1000,
+            gbps=gbps,
+        )
     return {"ok": ok, **figures}
 
 
@@ -105,8 +115,7 @@ def test_add_ratios_against_builtin_and_colocated():
 
 
 def test_failed_or_absent_baseline_gives_no_ratios():
-    results = {"colocated": _entry(10.0, None), "ours-nixl-pull": _entry(40.0, 2.0),
-               "builtin-nixl": _entry(0.0, None, ok=False)}
+    results = {"colocated": _entry(10.0, None), "ours-nixl-pull": _entry(40.0, 2.0), "builtin-nixl": _entry(0.0, None, ok=False)}
     add_ratios(results)
     assert all(v is None for v in results["ours-nixl-pull"]["vs_builtin"].values())
     assert results["ours-nixl-pull"]["vs_colocated"]["ttft_mean_ms"] == 4.0
@@ -180,8 +189,15 @@ def test_builtin_servers_take_their_side_channel_port_from_the_environment(tmp_p
 
 
 def test_line_plot_writes_a_png(tmp_path: Path):
-    out = line_plot({"a": ([128, 256], [10.0, 20.0]), "b": ([128, 256], [12.0, 30.0])}, tmp_path / "p.png",
-                    title="t", xlabel="x", ylabel="y", logx=True, note="n")
+    out = line_plot(
+        {"a": ([128, 256], [10.0, 20.0]), "b": ([128, 256], [12.0, 30.0])},
+        tmp_path / "p.png",
+        title="t",
+        xlabel="x",
+        ylabel="y",
+        logx=True,
+        note="n",
+    )
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])

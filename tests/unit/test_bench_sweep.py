@@ -13,9 +13,19 @@ GiB = 1 << 30
 
 
 def _point(size_mib: int, ms: float, transport: str = "nixl") -> dict:
-    return {"transport": transport, "mode": "pull", "order": "shuffled", "staging": False, "size_mib": size_mib,
-            "bytes": size_mib << 20, "descriptors": 8, "xfer_ms": ms, "gbps": (size_mib << 20) / ms / 1e6,
-            "memcpy_ms": ms / 10, "ratio": 0.1}
+    return {
+        "transport": transport,
+        "mode": "pull",
+        "order": "shuffled",
+        "staging": False,
+        "size_mib": size_mib,
+        "bytes": size_mib << 20,
+        "descriptors": 8,
+        "xfer_ms": ms,
+        "gbps": (size_mib << 20) / ms / 1e6,
+        "memcpy_ms": ms / 10,
+        "ratio": 0.1,
+    }
 
 
 def test_points_that_do_not_fit_memory_are_skipped():

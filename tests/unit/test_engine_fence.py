@@ -143,8 +143,9 @@ def test_gone_keys_are_bounded():
 def test_renew_keeps_a_queued_requests_lease():
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
-    reply = c.fabric.client().submit("127.0.0.1", P_PORT, wire.RenewRequest("D", ["r1", "zz"]),
-                                     c.d.engine._compat.hash(), 1).result()
+    reply = (
+        c.fabric.client().submit("127.0.0.1", P_PORT, wire.RenewRequest("D", ["r1", "zz"]), c.d.engine._compat.hash(), 1).result()
+    )
     assert isinstance(reply, wire.RenewReply) and reply.known == [True, False] and reply.lease_s == 5
     c.clock.advance(4)
     c.fabric.client().submit("127.0.0.1", P_PORT, wire.RenewRequest("D", ["r1"]), c.d.engine._compat.hash(), 1)
@@ -160,9 +161,11 @@ def test_requests_without_our_hash_are_refused():
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
     client = c.fabric.client()
-    for body in (wire.ClaimRequest("X", [wire.ClaimItem("r1", [1])]),
-                 wire.PushRequest("r1", "X", "x", "x", []),
-                 wire.RenewRequest("X", ["r1"])):
+    for body in (
+        wire.ClaimRequest("X", [wire.ClaimItem("r1", [1])]),
+        wire.PushRequest("r1", "X", "x", "x", []),
+        wire.RenewRequest("X", ["r1"]),
+    ):
         future = client.submit("127.0.0.1", P_PORT, body, "0" * 32, 1)
         assert "incompatible" in str(future.exception())
     c.p.step()

@@ -70,12 +70,10 @@ def _mutations(rng: random.Random, keys: list[str]) -> list[wire.Body]:
     ids = lambda: [rng.choice([0, 1, 15, 16, -1, 2**63 - 1, rng.randrange(100)]) for _ in range(rng.randrange(6))]  # noqa: E731
     key = lambda: rng.choice(keys + ["", "x" * 1000, str(rng.random())])  # noqa: E731
     return [
-        wire.ClaimRequest(key(), [wire.ClaimItem(key(), ids()) for _ in range(rng.randrange(4))],
-                          epoch=rng.choice(["", "stale"])),
+        wire.ClaimRequest(key(), [wire.ClaimItem(key(), ids()) for _ in range(rng.randrange(4))], epoch=rng.choice(["", "stale"])),
         wire.PushRequest(key(), key(), key(), key(), ids()),
         wire.RenewRequest(key(), [key() for _ in range(3)]),
-        wire.HandshakeRequest(key(), rng.randrange(4), msgspec.structs.replace(
-            c_compat, num_layers=rng.choice([1, 2]))),
+        wire.HandshakeRequest(key(), rng.randrange(4), msgspec.structs.replace(c_compat, num_layers=rng.choice([1, 2]))),
         wire.StatsRequest(),
         wire.TransferDone(key(), key(), rng.choice(["", "boom"])),
     ]

@@ -11,11 +11,40 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "kv_connectors"
-PURE = {"errors", "config", "layout", "plan", "params", "wire", "state", "specs", "sidechannel", "logutil",
-        "transport", "receiver", "sender", "renewer", "worker", "transports", "transports.memory"}
+PURE = {
+    "errors",
+    "config",
+    "layout",
+    "plan",
+    "params",
+    "wire",
+    "state",
+    "specs",
+    "sidechannel",
+    "logutil",
+    "transport",
+    "receiver",
+    "sender",
+    "renewer",
+    "worker",
+    "transports",
+    "transports.memory",
+}
 TRANSPORTS = ("transports", "nixl.transport", "mooncake.transport", "staging")
-ABOVE_TRANSPORTS = ("receiver", "sender", "renewer", "worker", "state", "specs", "params", "vllm", "plugin",
-                    "testing", "nixl", "mooncake")  # "nixl"/"mooncake" = the connector faces, not .transport
+ABOVE_TRANSPORTS = (
+    "receiver",
+    "sender",
+    "renewer",
+    "worker",
+    "state",
+    "specs",
+    "params",
+    "vllm",
+    "plugin",
+    "testing",
+    "nixl",
+    "mooncake",
+)  # "nixl"/"mooncake" = the connector faces, not .transport
 
 
 def _modules() -> dict[str, Path]:
@@ -54,7 +83,7 @@ def _ours(names: set[str], modules: dict[str, Path]) -> set[str]:
     out = set()
     for name in names:
         if name.startswith("kv_connectors."):
-            rel = name[len("kv_connectors."):]
+            rel = name[len("kv_connectors.") :]
             while rel and rel not in modules:
                 rel = rel.rpartition(".")[0]
             if rel:
@@ -67,8 +96,11 @@ def _under(module: str, prefixes: tuple[str, ...] | set[str]) -> bool:
 
 
 def test_only_the_adapter_imports_vllm():
-    offenders = [m for m, path in _modules().items() if not _under(m, ("vllm",))
-                 and any(n == "vllm" or n.startswith("vllm.") for n in _imports(path, module_level_only=False))]
+    offenders = [
+        m
+        for m, path in _modules().items()
+        if not _under(m, ("vllm",)) and any(n == "vllm" or n.startswith("vllm.") for n in _imports(path, module_level_only=False))
+    ]
     assert not offenders, f"modules outside kv_connectors/vllm/ import vLLM: {offenders}"
 
 
@@ -77,8 +109,11 @@ def test_the_core_and_engine_are_pure():
     for m in PURE:
         names = _imports(modules[m], module_level_only=False)
         bad = {n for n in names if n.split(".")[0] in ("vllm", "torch", "nixl", "mooncake")}
-        bad |= {o for o in _ours(names, modules) if _under(o, ("vllm", "nixl", "mooncake", "staging", "testing"))
-                and not (m == "worker" and o.startswith("staging"))}
+        bad |= {
+            o
+            for o in _ours(names, modules)
+            if _under(o, ("vllm", "nixl", "mooncake", "staging", "testing")) and not (m == "worker" and o.startswith("staging"))
+        }
         assert not bad, f"kv_connectors.{m} imports {sorted(bad)}"
 
 
@@ -87,8 +122,11 @@ def test_transports_import_nothing_above_them():
     for m, path in modules.items():
         if not _under(m, TRANSPORTS):
             continue
-        above = {o for o in _ours(_imports(path, module_level_only=False), modules)
-                 if _under(o, ABOVE_TRANSPORTS) and not _under(o, TRANSPORTS)}
+        above = {
+            o
+            for o in _ours(_imports(path, module_level_only=False), modules)
+            if _under(o, ABOVE_TRANSPORTS) and not _under(o, TRANSPORTS)
+        }
         assert not above, f"transport module kv_connectors.{m} imports {sorted(above)} (above it)"
 
 
@@ -101,7 +139,7 @@ def test_no_import_cycle():
         state[m] = 1
         for dep in graph.get(m, ()):
             if state.get(dep) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep) :] + [dep]))
             if dep not in state:
                 visit(dep, stack + [dep])
         state[m] = 2

@@ -46,15 +46,27 @@ def _assert_error(resp: httpx.Response, status: int) -> dict:
 
 async def test_prefill_then_decode_bodies() -> None:
     fleet = Fleet()
-    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 16, "min_tokens": 4, "stream": False,
-            "temperature": 0, "kv_transfer_params": {"client": "junk"}}
+    body = {
+        "model": "m",
+        "prompt": [5, 6, 7],
+        "max_tokens": 16,
+        "min_tokens": 4,
+        "stream": False,
+        "temperature": 0,
+        "kv_transfer_params": {"client": "junk"},
+    }
     async with running(config(), fleet) as (_, client):
         resp = await client.post("/v1/completions", json=body)
     assert resp.status_code == 200 and resp.json()["id"] == "cmpl-d"
     [p_body], [d_body] = fleet.bodies("prefill"), fleet.bodies("decode")
-    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
-                                            "remote_engine_id": None, "remote_block_ids": None,
-                                            "remote_host": None, "remote_port": None}
+    assert p_body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False and "min_tokens" not in p_body
     assert p_body["prompt"] == [5, 6, 7] and p_body["temperature"] == 0
     assert "return_token_ids" not in p_body  # the prompt is already token ids
@@ -130,8 +142,7 @@ async def test_split_prompts_non_streaming() -> None:
     fleet = Fleet(decode=(D1, D2))
     prompts = ["one", "two", "three"]
     async with running(config(decode=(D1, D2)), fleet) as (_, client):
-        resp = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3},
-                                 headers={"X-Request-Id": "r"})
+        resp = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3}, headers={"X-Request-Id": "r"})
     assert resp.status_code == 200, resp.text
     answer = resp.json()
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
@@ -171,9 +182,15 @@ async def test_split_prompts_streaming_merged() -> None:
     assert len(chunks) == 6 and all(s.closed for s in fleet[D1].streams)
 
 
-@pytest.mark.parametrize("raw, message", [
-    (b"{not json", "invalid JSON"), (b"[1, 2]", "JSON object"), (b'"text"', "JSON object"), (b"", "invalid JSON"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"{not json", "invalid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'"text"', "JSON object"),
+        (b"", "invalid JSON"),
+    ],
+)
 async def test_invalid_json_is_400(raw: bytes, message: str) -> None:
     fleet = Fleet()
     async with running(config(), fleet) as (_, client):
@@ -183,23 +200,26 @@ async def test_invalid_json_is_400(raw: bytes, message: str) -> None:
     assert fleet.urls() == [P1, D1]
 
 
-@pytest.mark.parametrize("route, body, field", [
-    ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/chat/completions", {"prompt": "x"}, "messages"),
-    ("/v1/completions", {"prompt": 5}, "prompt"),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", 3]}, "prompt"),
-    ("/v1/completions", {"prompt": [[1], []]}, "prompt"),
-    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": "9"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{}], "max_completion_tokens": -1}, "max_completion_tokens"),
-    ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, "'n' > 1"),
-    ("/v1/completions", {"prompt": "a", "n": 0}, "'n'"),
-])
+@pytest.mark.parametrize(
+    "route, body, field",
+    [
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/chat/completions", {"prompt": "x"}, "messages"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", 3]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1], []]}, "prompt"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": "9"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{}], "max_completion_tokens": -1}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "a", "n": 2}, "'n' > 1"),
+        ("/v1/completions", {"prompt": "a", "n": 0}, "'n'"),
+    ],
+)
 async def test_bad_fields_are_400(route: str, body: dict, field: str) -> None:
     fleet = Fleet()
     async with running(config(), fleet) as (app, client):
@@ -216,6 +236,7 @@ async def test_body_over_limit_is_413() -> None:
     async with running(config(max_body_bytes=2048), fleet) as (_, client):
         resp = await client.post("/v1/completions", json={"prompt": "x" * 4096})
         _assert_error(resp, 413)
+
         async def parts():  # no content-length: the limit is enforced while reading
             for part in (b'{"prompt": "', b"y" * 4096, b'"}'):
                 yield part
@@ -263,8 +284,7 @@ async def test_round_robin_pairs() -> None:
 
 async def test_least_outstanding_avoids_busy_decode() -> None:
     fleet = Fleet(decode=(D1, D2))
-    fleet[D1].stream_factory = lambda: ChunkStream([sse({"choices": [{"index": 0, "text": "z"}]})] * 50,
-                                                   delay_s=0.02)
+    fleet[D1].stream_factory = lambda: ChunkStream([sse({"choices": [{"index": 0, "text": "z"}]})] * 50, delay_s=0.02)
     cfg = config(decode=(D1, D2), decode_policy=Policy.LEAST_OUTSTANDING)
     async with running(cfg, fleet) as (app, client):
         long_stream = asyncio.create_task(asgi_stream(app, {"prompt": [1], "stream": True}))
@@ -290,8 +310,7 @@ async def test_models_health_and_metrics() -> None:
     assert health.status_code == 200
     h = health.json()
     assert h["status"] == "ok" and h["flow"] == "params"
-    assert h["prefill"] == [{"url": P1, "healthy": True, "outstanding": 0, "served": 2, "failures": 0,
-                             "side_channel": None}]
+    assert h["prefill"] == [{"url": P1, "healthy": True, "outstanding": 0, "served": 2, "failures": 0, "side_channel": None}]
     assert [b["url"] for b in h["decode"]] == [D2, D1]
     text = metrics.text
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -311,8 +330,7 @@ async def test_one_log_line_per_request(caplog: pytest.LogCaptureFixture) -> Non
     with caplog.at_level(logging.INFO, logger="kv_connectors.proxy"):
         async with running(config(), fleet) as (_, client):
             await client.post("/v1/completions", json={"prompt": "a"}, headers={"X-Request-Id": "rid-log"})
-            await client.post("/v1/completions", json={"prompt": "a", "stream": True},
-                              headers={"X-Request-Id": "rid-stream"})
+            await client.post("/v1/completions", json={"prompt": "a", "stream": True}, headers={"X-Request-Id": "rid-stream"})
     for rid in ("rid-log", "rid-stream"):
         [line] = [r.getMessage() for r in caplog.records if rid in r.getMessage()]
         assert f"P={P1} D={D1} retries=0 status=200 outcome=ok" in line
@@ -327,6 +345,7 @@ def _free_port() -> int:
 
 def test_real_network_refused_and_timeout() -> None:
     """Through real sockets: a closed port gives 502, a server that never answers gives 504."""
+
     async def one(p_url: str) -> httpx.Response:
         app = pd_proxy.build_app(config((p_url,), (D1,), prefill_timeout_s=0.5, max_retries=0), health_checks=False)
         async with app.router.lifespan_context(app):

@@ -19,17 +19,48 @@ PROXY_SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "proxy.py"
 
 
 def test_parse_args_full() -> None:
-    cfg = parse_args(["--prefill", "http://p1:8100/", "10.1.1.1:5710", "--prefill", "p2:8100", "5711",
-                      "--decode", "http://d1:8200", "--decode", "d2:8200", "--port", "9000",
-                      "--prefill-policy", "least_outstanding", "--decode-timeout-s", "30", "--max-retries", "0",
-                      "--health-interval-s", "0.5", "--unhealthy-after", "3", "--max-body-bytes", "4096"])
-    assert cfg.prefill == (BackendSpec("http://p1:8100", SideChannel("10.1.1.1", 5710)),
-                           BackendSpec("http://p2:8100", SideChannel("p2", 5711)))
+    cfg = parse_args(
+        [
+            "--prefill",
+            "http://p1:8100/",
+            "10.1.1.1:5710",
+            "--prefill",
+            "p2:8100",
+            "5711",
+            "--decode",
+            "http://d1:8200",
+            "--decode",
+            "d2:8200",
+            "--port",
+            "9000",
+            "--prefill-policy",
+            "least_outstanding",
+            "--decode-timeout-s",
+            "30",
+            "--max-retries",
+            "0",
+            "--health-interval-s",
+            "0.5",
+            "--unhealthy-after",
+            "3",
+            "--max-body-bytes",
+            "4096",
+        ]
+    )
+    assert cfg.prefill == (
+        BackendSpec("http://p1:8100", SideChannel("10.1.1.1", 5710)),
+        BackendSpec("http://p2:8100", SideChannel("p2", 5711)),
+    )
     assert [d.url for d in cfg.decode] == ["http://d1:8200", "http://d2:8200"]
     assert cfg.resolved_flow is Flow.TRANSFER_ID and cfg.port == 9000
     assert cfg.prefill_policy is Policy.LEAST_OUTSTANDING and cfg.decode_policy is Policy.ROUND_ROBIN
-    assert (cfg.decode_timeout_s, cfg.max_retries, cfg.health_interval_s, cfg.unhealthy_after,
-            cfg.max_body_bytes) == (30, 0, 0.5, 3, 4096)
+    assert (cfg.decode_timeout_s, cfg.max_retries, cfg.health_interval_s, cfg.unhealthy_after, cfg.max_body_bytes) == (
+        30,
+        0,
+        0.5,
+        3,
+        4096,
+    )
 
 
 def test_flow_auto_is_params_unless_every_p_has_a_side_channel() -> None:
@@ -40,25 +71,28 @@ def test_flow_auto_is_params_unless_every_p_has_a_side_channel() -> None:
     assert forced.resolved_flow is Flow.PARAMS
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--decode", "d:2"], "--prefill"),
-    (["--prefill", "p:1"], "--decode"),
-    (["--prefill", "p:1", "1", "2", "--decode", "d:2"], "--prefill takes URL [SIDE_CHANNEL]"),
-    (["--prefill", "p:1", "x", "--decode", "d:2"], "invalid side channel 'x'"),
-    (["--prefill", "p:1", "h:99999", "--decode", "d:2"], "invalid side channel"),
-    (["--prefill", "ftp://p:1", "--decode", "d:2"], "invalid backend URL"),
-    (["--prefill", "p:1", "--decode", "d:2", "--decode", "http://d:2/"], "lists a URL twice"),
-    (["--prefill", "p:1", "--decode", "d:2", "--flow", "transfer-id"], "needs a side channel on every --prefill"),
-    (["--prefill", "p:1", "--decode", "d:2", "--flow", "magic"], "--flow"),
-    (["--prefill", "p:1", "--decode", "d:2", "--decode-policy", "random"], "--decode-policy"),
-    (["--prefill", "p:1", "--decode", "d:2", "--prefill-timeout-s", "0"], "--prefill-timeout-s must be > 0"),
-    (["--prefill", "p:1", "--decode", "d:2", "--health-timeout-s", "-1"], "--health-timeout-s must be > 0"),
-    (["--prefill", "p:1", "--decode", "d:2", "--unhealthy-after", "0"], "--unhealthy-after must be >= 1"),
-    (["--prefill", "p:1", "--decode", "d:2", "--max-retries", "-1"], "--max-retries must be >= 0"),
-    (["--prefill", "p:1", "--decode", "d:2", "--max-body-bytes", "10"], "--max-body-bytes must be >= 1024"),
-    (["--prefill", "p:1", "--decode", "d:2", "--port", "70000"], "--port must be in"),
-    (["--prefill", "p:1", "--decode", "d:2", "--port", "x"], "--port"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--decode", "d:2"], "--prefill"),
+        (["--prefill", "p:1"], "--decode"),
+        (["--prefill", "p:1", "1", "2", "--decode", "d:2"], "--prefill takes URL [SIDE_CHANNEL]"),
+        (["--prefill", "p:1", "x", "--decode", "d:2"], "invalid side channel 'x'"),
+        (["--prefill", "p:1", "h:99999", "--decode", "d:2"], "invalid side channel"),
+        (["--prefill", "ftp://p:1", "--decode", "d:2"], "invalid backend URL"),
+        (["--prefill", "p:1", "--decode", "d:2", "--decode", "http://d:2/"], "lists a URL twice"),
+        (["--prefill", "p:1", "--decode", "d:2", "--flow", "transfer-id"], "needs a side channel on every --prefill"),
+        (["--prefill", "p:1", "--decode", "d:2", "--flow", "magic"], "--flow"),
+        (["--prefill", "p:1", "--decode", "d:2", "--decode-policy", "random"], "--decode-policy"),
+        (["--prefill", "p:1", "--decode", "d:2", "--prefill-timeout-s", "0"], "--prefill-timeout-s must be > 0"),
+        (["--prefill", "p:1", "--decode", "d:2", "--health-timeout-s", "-1"], "--health-timeout-s must be > 0"),
+        (["--prefill", "p:1", "--decode", "d:2", "--unhealthy-after", "0"], "--unhealthy-after must be >= 1"),
+        (["--prefill", "p:1", "--decode", "d:2", "--max-retries", "-1"], "--max-retries must be >= 0"),
+        (["--prefill", "p:1", "--decode", "d:2", "--max-body-bytes", "10"], "--max-body-bytes must be >= 1024"),
+        (["--prefill", "p:1", "--decode", "d:2", "--port", "70000"], "--port must be in"),
+        (["--prefill", "p:1", "--decode", "d:2", "--port", "x"], "--port"),
+    ],
+)
 def test_bad_flags_exit_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
@@ -69,8 +103,12 @@ def test_bad_flags_exit_with_a_message(argv: list[str], message: str, capsys: py
 def test_script_runs_and_rejects_bad_flags() -> None:
     ok = subprocess.run([sys.executable, PROXY_SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "--prefill URL [SIDE_CHANNEL" in ok.stdout and "--decode-policy" in ok.stdout
-    bad = subprocess.run([sys.executable, PROXY_SCRIPT, "--prefill", "p:1", "--decode", "d:2", "--max-retries", "-3"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, PROXY_SCRIPT, "--prefill", "p:1", "--decode", "d:2", "--max-retries", "-3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--max-retries must be >= 0, got -3" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -147,26 +185,41 @@ def test_split_prompts() -> None:
 
 
 def test_merge_answers_reindexes_and_sums_usage() -> None:
-    answers = [{"id": f"c{i}", "model": "m", "choices": [{"index": 0, "text": t}], "kv_transfer_params": None,
-                "usage": {"prompt_tokens": 2, "completion_tokens": i, "total_tokens": 2 + i,
-                          "prompt_tokens_details": None}}
-               for i, t in enumerate(["x", "y"])]
+    answers = [
+        {
+            "id": f"c{i}",
+            "model": "m",
+            "choices": [{"index": 0, "text": t}],
+            "kv_transfer_params": None,
+            "usage": {"prompt_tokens": 2, "completion_tokens": i, "total_tokens": 2 + i, "prompt_tokens_details": None},
+        }
+        for i, t in enumerate(["x", "y"])
+    ]
     merged = merge_answers(answers)
-    assert merged == {"id": "c0", "model": "m", "choices": [{"index": 0, "text": "x"}, {"index": 1, "text": "y"}],
-                      "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+    assert merged == {
+        "id": "c0",
+        "model": "m",
+        "choices": [{"index": 0, "text": "x"}, {"index": 1, "text": "y"}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+    }
 
 
 def test_sse_reindexer_across_chunk_boundaries() -> None:
     r = SseReindexer(2)
-    stream = (sse({"id": "a", "choices": [{"index": 0, "text": "hi"}]})
-              + sse({"id": "a", "choices": [], "usage": {"prompt_tokens": 1, "total_tokens": 1}})
-              + sse({"error": {"message": "boom"}}) + sse("[DONE]"))
+    stream = (
+        sse({"id": "a", "choices": [{"index": 0, "text": "hi"}]})
+        + sse({"id": "a", "choices": [], "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+        + sse({"error": {"message": "boom"}})
+        + sse("[DONE]")
+    )
     out: list[bytes] = []
     for i in range(0, len(stream), 7):
-        out += r.feed(stream[i:i + 7])
+        out += r.feed(stream[i : i + 7])
     out += r.flush()
-    assert [json.loads(e[6:]) for e in out] == [{"id": "a", "choices": [{"index": 2, "text": "hi"}]},
-                                                {"error": {"message": "boom"}}]
+    assert [json.loads(e[6:]) for e in out] == [
+        {"id": "a", "choices": [{"index": 2, "text": "hi"}]},
+        {"error": {"message": "boom"}},
+    ]
     assert r.usage == {"prompt_tokens": 1, "total_tokens": 1}
     r2 = SseReindexer(0)
     r2.feed(sse({"id": "b", "choices": [], "usage": {"prompt_tokens": 3, "total_tokens": 4}}))
@@ -178,10 +231,26 @@ def test_sse_reindexer_across_chunk_boundaries() -> None:
 def test_proxy_process_argv_with_side_channels() -> None:
     from kv_connectors.testing.cluster import ProxyProcess
 
-    proc = ProxyProcess(["http://p1:1", "http://p2:1"], ["http://d:2"], port=8123,
-                        prefill_side_channels=["10.0.0.1:5710", None], extra_args=["--flow", "params"])
-    assert proc.argv[2:] == ["--port", "8123", "--prefill", "http://p1:1", "10.0.0.1:5710", "--prefill",
-                             "http://p2:1", "--decode", "http://d:2", "--flow", "params"]
+    proc = ProxyProcess(
+        ["http://p1:1", "http://p2:1"],
+        ["http://d:2"],
+        port=8123,
+        prefill_side_channels=["10.0.0.1:5710", None],
+        extra_args=["--flow", "params"],
+    )
+    assert proc.argv[2:] == [
+        "--port",
+        "8123",
+        "--prefill",
+        "http://p1:1",
+        "10.0.0.1:5710",
+        "--prefill",
+        "http://p2:1",
+        "--decode",
+        "http://d:2",
+        "--flow",
+        "params",
+    ]
     assert parse_args(proc.argv[2:]).prefill[0].side_channel == SideChannel("10.0.0.1", 5710)
     with pytest.raises(ValueError):
         ProxyProcess(["http://p1:1"], ["http://d:2"], prefill_side_channels=[])

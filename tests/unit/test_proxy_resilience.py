@@ -110,8 +110,7 @@ async def test_decode_unreachable_retried_with_same_prefill(stream: bool) -> Non
 async def test_decode_dropped_before_first_byte_prefills_again(stream: bool) -> None:
     fleet = Fleet((P1, P2), (D1, D2))
     if stream:
-        fleet[D1].stream_factory = lambda: ChunkStream([], fail=httpx.RemoteProtocolError("peer closed"),
-                                                       fail_first=True)
+        fleet[D1].stream_factory = lambda: ChunkStream([], fail=httpx.RemoteProtocolError("peer closed"), fail_first=True)
     else:
         fleet[D1].error = httpx.RemoteProtocolError("Server disconnected without sending a response.")
     async with running(config((P1, P2), (D1, D2)), fleet) as (_, client):
@@ -214,8 +213,7 @@ async def test_disconnect_while_prefilling_aborts_p() -> None:
         text = await _metrics(client)
         health = await _health(client)
     assert fleet[P1].cancelled == 1 and fleet.bodies("decode") == []
-    assert metric_value(text, "kvc_proxy_requests_total", route="/v1/completions",
-                        outcome="client_disconnected") == 1
+    assert metric_value(text, "kvc_proxy_requests_total", route="/v1/completions", outcome="client_disconnected") == 1
     assert health["prefill"][0]["outstanding"] == 0 and health["prefill"][0]["healthy"] is True
     assert messages[0]["status"] == 499
 
@@ -235,11 +233,9 @@ async def test_disconnect_while_decoding_aborts_d() -> None:
 @pytest.mark.parametrize("prompts", [[1], [[1], [2]]])
 async def test_disconnect_mid_stream_closes_every_upstream(spec_version: str, prompts: list) -> None:
     fleet = Fleet()
-    fleet[D1].stream_factory = lambda: ChunkStream([sse({"choices": [{"index": 0, "text": "t"}]})] * 200,
-                                                   delay_s=0.01)
+    fleet[D1].stream_factory = lambda: ChunkStream([sse({"choices": [{"index": 0, "text": "t"}]})] * 200, delay_s=0.01)
     async with running(config(), fleet) as (app, client):
-        _, chunks = await asgi_stream(app, {"prompt": prompts, "stream": True}, disconnect_after=3,
-                                      spec_version=spec_version)
+        _, chunks = await asgi_stream(app, {"prompt": prompts, "stream": True}, disconnect_after=3, spec_version=spec_version)
         text = await _metrics(client)
         health = await _health(client)
     assert 3 <= len(chunks) < 100
@@ -247,5 +243,4 @@ async def test_disconnect_mid_stream_closes_every_upstream(spec_version: str, pr
     assert len(streams) == (1 if prompts == [1] else 2)
     assert all(s.closed and s.sent < 200 for s in streams)
     assert health["decode"][0]["outstanding"] == 0
-    assert metric_value(text, "kvc_proxy_requests_total", route="/v1/completions",
-                        outcome="client_disconnected") == 1
+    assert metric_value(text, "kvc_proxy_requests_total", route="/v1/completions", outcome="client_disconnected") == 1

@@ -92,8 +92,7 @@ def test_client_disconnect_aborts_decode(stream: bool) -> None:
         with serve(app) as proxy_url:
             with httpx.Client(timeout=10) as client:
                 if stream:
-                    with client.stream("POST", f"{proxy_url}/v1/completions",
-                                       json={"prompt": [1], "stream": True}) as resp:
+                    with client.stream("POST", f"{proxy_url}/v1/completions", json={"prompt": [1], "stream": True}) as resp:
                         assert resp.status_code == 200
                         next(resp.iter_bytes())
                 else:

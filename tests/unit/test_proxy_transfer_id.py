@@ -33,8 +33,14 @@ def _p_kv(body: dict[str, Any]) -> dict[str, Any]:
 
 async def test_bodies_carry_one_transfer_id_and_p_side_channel() -> None:
     fleet = Fleet()
-    body = {"model": "m", "prompt": "hello", "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}, "kv_transfer_params": {"junk": 1}}
+    body = {
+        "model": "m",
+        "prompt": "hello",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": {"junk": 1},
+    }
     async with running(tid_config(), fleet) as (_, client):
         resp = await client.post("/v1/completions", json=body)
         health = (await client.get("/health")).json()
@@ -42,13 +48,19 @@ async def test_bodies_carry_one_transfer_id_and_p_side_channel() -> None:
     [p_body], [d_body] = fleet.bodies("prefill"), fleet.bodies("decode")
     transfer_id = p_body["kv_transfer_params"]["transfer_id"]
     assert transfer_id.startswith("kvc-") and len(transfer_id) == 36
-    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
-                                            "transfer_id": transfer_id}
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False and "stream_options" not in p_body
     assert "return_token_ids" not in p_body
-    assert d_body == {**body, "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
-                                                     "transfer_id": transfer_id, "remote_host": "10.0.0.1",
-                                                     "remote_port": 5710}}
+    assert d_body == {
+        **body,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": transfer_id,
+            "remote_host": "10.0.0.1",
+            "remote_port": 5710,
+        },
+    }
     assert health["flow"] == "transfer-id" and health["prefill"][0]["side_channel"] == "10.0.0.1:5710"
 
 

@@ -15,11 +15,22 @@ OUTPUT = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})
 
 
 def _request(rid: str, key: str, n_tokens: int = 64) -> SimpleNamespace:
-    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "P",
-              "remote_request_id": key, "remote_host": "127.0.0.1", "remote_port": 7001,
-              "remote_num_tokens": n_tokens}
-    return SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(n_tokens)),
-                           num_prompt_tokens=n_tokens, status=RequestStatus.WAITING)
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [1, 2],
+        "remote_engine_id": "P",
+        "remote_request_id": key,
+        "remote_host": "127.0.0.1",
+        "remote_port": 7001,
+        "remote_num_tokens": n_tokens,
+    }
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        prompt_token_ids=list(range(n_tokens)),
+        num_prompt_tokens=n_tokens,
+        status=RequestStatus.WAITING,
+    )
 
 
 def _blocks(ids: list[int]) -> SimpleNamespace:

@@ -30,8 +30,9 @@ def test_stats_aggregate_and_reduce():
     a.data["counters"]["recv_transfers"] = 1
     a.data["counters"]["recv_bytes"] = 2_000_000
     a.data["transfer_seconds"] = [0.001]
-    b = KvcStats(data={"counters": {"recv_transfers": 1, "recv_bytes": 2_000_000}, "gauges": {"held_blocks": 5},
-                       "transfer_seconds": [0.003]})
+    b = KvcStats(
+        data={"counters": {"recv_transfers": 1, "recv_bytes": 2_000_000}, "gauges": {"held_blocks": 5}, "transfer_seconds": [0.003]}
+    )
     merged = a.aggregate(b)
     r = merged.reduce()
     assert r["loads"] == 2 and r["MB loaded"] == 4.0 and r["load GB/s"] == 1.0 and r["avg load ms"] == 2.0
@@ -43,16 +44,13 @@ def test_prometheus_metrics_follow_observations():
     registry = prometheus_client.CollectorRegistry()
 
     def bind(cls):
-        return lambda *args, **kw: cls(*args, registry=registry, **{k: v for k, v in kw.items()
-                                                                    if k != "multiprocess_mode"})
+        return lambda *args, **kw: cls(*args, registry=registry, **{k: v for k, v in kw.items() if k != "multiprocess_mode"})
 
     class _Cfg:
         kv_transfer_config = None
 
-    prom = KvcPromMetrics(_Cfg(), {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)},
-                          ["engine"], {0: ["0"]})
-    prom.observe({"counters": {"recv_transfers": 2, "pushes": 1}, "gauges": {"held_blocks": 7},
-                  "transfer_seconds": [0.002, 0.004]})
+    prom = KvcPromMetrics(_Cfg(), {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}, ["engine"], {0: ["0"]})
+    prom.observe({"counters": {"recv_transfers": 2, "pushes": 1}, "gauges": {"held_blocks": 7}, "transfer_seconds": [0.002, 0.004]})
     prom.observe({"counters": {"recv_transfers": 1}, "gauges": {"held_blocks": 0}, "transfer_seconds": []})
 
     def value(name: str) -> float | None:

@@ -11,8 +11,15 @@ from kv_connectors.params import parse_remote_prefill, producer_params
 from kv_connectors.state import SendLeases
 
 COMPAT = wire.CompatInfo(
-    architecture="LlamaForCausalLM", num_layers=2, hidden_size=128, num_kv_heads=2, head_size=32,
-    vocab_size=1024, dtype="torch.float32", block_size=32, layout=(32, 2, 16384, 16384),
+    architecture="LlamaForCausalLM",
+    num_layers=2,
+    hidden_size=128,
+    num_kv_heads=2,
+    head_size=32,
+    vocab_size=1024,
+    dtype="torch.float32",
+    block_size=32,
+    layout=(32, 2, 16384, 16384),
 )
 
 
@@ -116,14 +123,15 @@ def test_transfer_id_form_of_params():
     assert rp.peer_key == ("", "h", 9)
     rp = parse_remote_prefill({"transfer_id": "t1", "remote_host": "h", "remote_port": 9, "remote_engine_id": "P"})
     assert rp.peer_key == ("P", "h", 9)
-    for bad, match in (({"transfer_id": "t1", "remote_port": 9}, "lacks remote_host"),
-                       ({"transfer_id": 7, "remote_host": "h", "remote_port": 9}, "transfer_id"),
-                       ({"transfer_id": "t", "remote_host": "h", "remote_port": 0}, "remote_port")):
+    for bad, match in (
+        ({"transfer_id": "t1", "remote_port": 9}, "lacks remote_host"),
+        ({"transfer_id": 7, "remote_host": "h", "remote_port": 9}, "transfer_id"),
+        ({"transfer_id": "t", "remote_host": "h", "remote_port": 0}, "remote_port"),
+    ):
         with pytest.raises(TransferParamsError, match=match):
             parse_remote_prefill(bad)
     # P's answer to a request with a transfer id names the blocks by that id, for either flow.
-    params = producer_params(block_ids=[1, 2], engine_id="P", request_id="r", host="h", port=9, num_tokens=40,
-                             transfer_id="t1")
+    params = producer_params(block_ids=[1, 2], engine_id="P", request_id="r", host="h", port=9, num_tokens=40, transfer_id="t1")
     rp = parse_remote_prefill(params)
     assert not rp.push_only and rp.remote_request_id == "t1" and rp.transfer_id == "t1"
 
@@ -194,8 +202,14 @@ def test_compat_hash_covers_the_way_data_moves():
 def test_bad_params_still_name_where_to_release():
     from kv_connectors.params import release_address
 
-    good = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r", "remote_host": "h",
-            "remote_port": 9, "remote_block_ids": [1.5]}
+    good = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_request_id": "r",
+        "remote_host": "h",
+        "remote_port": 9,
+        "remote_block_ids": [1.5],
+    }
     with pytest.raises(TransferParamsError, match="remote_block_ids"):
         parse_remote_prefill(good)
     rp = release_address(good)
