@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
 from benchmarks.bench_transport import HEAD_DIM_X2, KV_HEADS, Shape, add_engine_args, block_ids, make_transport
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import TransferPlan, plan_transfer
-from kv_connectors.transport import MemoryKind, Transport, XferState
+from kv_connectors.transports.base import MemoryKind, Transport, XferState
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def open_transport(name: str, variant: Variant, pool_bytes: int, args: argparse.
     inner = make_transport(args.transport, name, args)
     if not variant.staged:
         return inner
-    from kv_connectors.staging import StagedTransport
+    from kv_connectors.transports.staging import StagedTransport
 
     return StagedTransport(inner, pool_bytes=pool_bytes, chunk_bytes=variant.chunk_kib << 10)
 

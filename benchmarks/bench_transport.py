@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
 
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import TransferPlan, plan_transfer
-from kv_connectors.transport import Transport, XferState
+from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +106,11 @@ def add_engine_args(ap: argparse.ArgumentParser, poll_us: float) -> None:
 
 def make_transport(kind: str, name: str, args: argparse.Namespace) -> Transport:
     if kind == "nixl":
-        from kv_connectors.nixl.transport import NixlTransport
+        from kv_connectors.transports.nixl import NixlTransport
 
         return NixlTransport(name, progress_delay_us=args.progress_delay_us, num_threads=args.num_threads)
     if kind == "mooncake":
-        from kv_connectors.mooncake.transport import MooncakeTransport
+        from kv_connectors.transports.mooncake import MooncakeTransport
 
         return MooncakeTransport(name, protocol=args.mooncake_protocol, max_batch=args.max_batch)
     raise SystemExit(f"unknown transport {kind!r}")
@@ -120,7 +120,7 @@ def maybe_staged(transport: Transport, args: argparse.Namespace) -> Transport:
     """--staging on: the same engine behind a StagedTransport (KV blocks go through a host pool)."""
     if args.staging != "on":
         return transport
-    from kv_connectors.staging import StagedTransport
+    from kv_connectors.transports.staging import StagedTransport
 
     return StagedTransport(transport, pool_bytes=args.pool_mib << 20, chunk_bytes=args.chunk_kib << 10)
 

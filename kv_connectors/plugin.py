@@ -8,8 +8,8 @@ logger = logging.getLogger(__name__)
 
 # Our names never collide with vLLM's built-ins (NixlConnector, MooncakeConnector, ...).
 CONNECTORS: dict[str, tuple[str, str]] = {
-    "KvcNixlConnector": ("kv_connectors.nixl", "NixlConnector"),
-    "KvcMooncakeConnector": ("kv_connectors.mooncake", "MooncakeConnector"),
+    "KvcNixlConnector": ("kv_connectors.vllm.connector", "NixlConnector"),
+    "KvcMooncakeConnector": ("kv_connectors.vllm.connector", "MooncakeConnector"),
 }
 
 

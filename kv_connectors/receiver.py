@@ -13,7 +13,7 @@ from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import plan_transfer
 from kv_connectors.state import ClaimResult, RecvPhase, RecvTask
-from kv_connectors.transport import Transport, XferState
+from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
 

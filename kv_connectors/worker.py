@@ -23,9 +23,9 @@ from kv_connectors.receiver import RELEASE_PREFIX, Receiver
 from kv_connectors.renewer import Renewer
 from kv_connectors.sender import Sender
 from kv_connectors.specs import StepMetadata
-from kv_connectors.staging import StagedTransport
 from kv_connectors.state import RecvTask
-from kv_connectors.transport import MemoryKind, Transport
+from kv_connectors.transports.base import MemoryKind, Transport
+from kv_connectors.transports.staging import StagedTransport
 
 logger = logging.getLogger(__name__)
 _limited = RateLimitedLog(logger)

@@ -11,7 +11,7 @@ from typing import Any
 
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import ConfigError
-from kv_connectors.transport import Transport
+from kv_connectors.transports.base import Transport
 
 KINDS = ("nixl", "mooncake", "memory")
 
@@ -21,7 +21,7 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
 
     kwargs go to the transport (the memory transport needs `fabric`)."""
     if kind == "nixl":
-        nixl = _engine("kv_connectors.nixl.transport", "NixlTransport", "nixl")
+        nixl = _engine("kv_connectors.transports.nixl", "NixlTransport", "nixl")
         return nixl(
             name,
             backend=cfg.nixl_backend,
@@ -30,7 +30,7 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
             **kwargs,
         )
     if kind == "mooncake":
-        mooncake = _engine("kv_connectors.mooncake.transport", "MooncakeTransport", "mooncake")
+        mooncake = _engine("kv_connectors.transports.mooncake", "MooncakeTransport", "mooncake")
         return mooncake(
             name, hostname=cfg.side_channel_host, protocol=cfg.mooncake_protocol, device_name=cfg.mooncake_device_name, **kwargs
         )

@@ -13,7 +13,8 @@ from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
 from kv_connectors.layout import TensorInfo, build_layout, layer_regions
 from kv_connectors.logutil import RateLimitedLog
-from kv_connectors.transport import MemoryKind, Transport
+from kv_connectors.transports import create_transport
+from kv_connectors.transports.base import MemoryKind, Transport
 from kv_connectors.vllm import compat
 from kv_connectors.vllm.metadata import ConnectorMetadata
 from kv_connectors.vllm.scheduler import SchedulerSide
@@ -63,7 +64,8 @@ def tensor_info(name: str, t: torch.Tensor) -> TensorInfo:
 
 
 class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
-    """Base of our connectors; a subclass names its transport by overriding make_transport."""
+    """Base of our connectors; a subclass names its transport kind (`transport_name`, a kind known to
+    `kv_connectors.transports.create_transport`) and may set default extra-config keys."""
 
     transport_name: ClassVar[str] = "abstract"
     default_extra_config: ClassVar[dict[str, Any]] = {}
@@ -107,7 +109,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return False
 
     def make_transport(self, name: str) -> Transport:
-        raise NotImplementedError
+        return create_transport(self.transport_name, name, self._cfg)
 
     @property
     def worker_side(self) -> WorkerSide:
@@ -208,3 +210,16 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+
+class NixlConnector(KVConnector):
+    """KV transfer over NIXL (UCX): D reads P's blocks (pull) or P writes them (push)."""
+
+    transport_name = "nixl"
+
+
+class MooncakeConnector(KVConnector):
+    """KV transfer over the Mooncake Transfer Engine (P2PHANDSHAKE, tcp or rdma); P pushes by default."""
+
+    transport_name = "mooncake"
+    default_extra_config: ClassVar[dict[str, Any]] = {"mode": "push"}

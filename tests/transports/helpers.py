@@ -17,7 +17,7 @@ import numpy as np
 from kv_connectors.errors import TransportError
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TransferPlan
-from kv_connectors.transport import XferState
+from kv_connectors.transports.base import XferState
 from tests.transports.peer import STAGED_BLOCKS, PeerSpec, layout_of, make_kv, open_transport, serve
 
 _CTX = mp.get_context("spawn")

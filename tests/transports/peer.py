@@ -16,7 +16,7 @@ import numpy as np
 from kv_connectors.errors import TransportError
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import plan_transfer
-from kv_connectors.transport import Transport, XferState
+from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
 
@@ -122,18 +122,18 @@ def open_transport(spec: PeerSpec) -> Transport:
     """The spec's transport, not yet registered."""
     inner: Transport
     if spec.kind == "nixl":
-        from kv_connectors.nixl.transport import NixlTransport
+        from kv_connectors.transports.nixl import NixlTransport
 
         inner = NixlTransport(spec.name)
     elif spec.kind == "mooncake":
-        from kv_connectors.mooncake.transport import MooncakeTransport
+        from kv_connectors.transports.mooncake import MooncakeTransport
 
         inner = MooncakeTransport(spec.name)
     else:
         raise ValueError(f"unknown transport kind {spec.kind!r}")
     if not spec.pool:
         return inner
-    from kv_connectors.staging import StagedTransport
+    from kv_connectors.transports.staging import StagedTransport
 
     return StagedTransport(inner, pool_bytes=spec.pool, chunk_bytes=spec.chunk, probe_interval_s=0.5)
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransferTimeoutError, TransportError
-from kv_connectors.mooncake.transport import MooncakeTransport
 from kv_connectors.plan import TransferPlan, plan_transfer
-from kv_connectors.transport import XferState
+from kv_connectors.transports.base import XferState
+from kv_connectors.transports.mooncake import MooncakeTransport
 from tests.transports import peer
 from tests.transports.helpers import Local, Peer, open_local, peer_starter, random_pairs, read_until_error, wait_done
 from tests.transports.peer import PeerSpec

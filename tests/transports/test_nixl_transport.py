@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError
-from kv_connectors.nixl.transport import NixlTransport
 from kv_connectors.plan import plan_transfer
-from kv_connectors.transport import XferState
+from kv_connectors.transports.base import XferState
+from kv_connectors.transports.nixl import NixlTransport
 from tests.transports import peer
 from tests.transports.helpers import Local, Peer, open_local, peer_starter, random_pairs, read_until_error, wait_done
 from tests.transports.peer import PeerSpec
@@ -200,7 +200,7 @@ def test_process_with_an_agent_exits_cleanly():
     """nixl's bundled libnl next to the system's (installed for Mooncake) crashed at exit (SIGSEGV)."""
     import subprocess
 
-    code = "from kv_connectors.nixl.transport import NixlTransport\nt = NixlTransport('exit-check'); t.close()\n"
+    code = "from kv_connectors.transports.nixl import NixlTransport\nt = NixlTransport('exit-check'); t.close()\n"
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
@@ -210,7 +210,7 @@ def test_cuda_ipc_get_is_enabled_only_where_an_nvidia_device_is(monkeypatch: pyt
     """UCX turns cuda_ipc GET off without NVLink and a pull of same-node VRAM crawls (0.5 GB/s on an H200)."""
     import types
 
-    from kv_connectors.nixl import transport as nt
+    from kv_connectors.transports import nixl as nt
 
     var = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
     monkeypatch.delenv(var, raising=False)

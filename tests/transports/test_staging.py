@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kv_connectors import staging
+from kv_connectors.transports import staging
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError, TransportUnavailableError
 from kv_connectors.plan import TransferPlan, plan_transfer
-from kv_connectors.staging import StagedTransport, StagedXfer, chunk_plan
-from kv_connectors.transport import MemoryKind, XferState
+from kv_connectors.transports.base import MemoryKind, XferState
+from kv_connectors.transports.staging import StagedTransport, StagedXfer, chunk_plan
 from tests.transports import helpers, peer
 from tests.transports.helpers import (
     Local,

@@ -3,6 +3,8 @@
 - only kv_connectors/vllm/ imports vLLM;
 - the pure core and engine import neither vLLM nor our adapter, nor torch or a transport engine;
 - transports import nothing above them (no engine, adapter or request state);
+- only the adapter and the two module-path faces users name (kv_connectors.nixl / .mooncake) import
+  the adapter;
 - no import cycle among our modules at import time (TYPE_CHECKING-only imports excepted)."""
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ PURE = {
     "specs",
     "sidechannel",
     "logutil",
-    "transport",
+    "transports.base",
     "receiver",
     "sender",
     "renewer",
@@ -30,21 +32,9 @@ PURE = {
     "transports",
     "transports.memory",
 }
-TRANSPORTS = ("transports", "nixl.transport", "mooncake.transport", "staging")
-ABOVE_TRANSPORTS = (
-    "receiver",
-    "sender",
-    "renewer",
-    "worker",
-    "state",
-    "specs",
-    "params",
-    "vllm",
-    "plugin",
-    "testing",
-    "nixl",
-    "mooncake",
-)  # "nixl"/"mooncake" = the connector faces, not .transport
+TRANSPORTS = ("transports",)
+ABOVE_TRANSPORTS = ("receiver", "sender", "renewer", "worker", "state", "specs", "params", "vllm", "plugin", "nixl", "mooncake")
+FACES = ("nixl", "mooncake")  # the module paths users write in kv_connector_module_path
 
 
 def _modules() -> dict[str, Path]:
@@ -112,9 +102,21 @@ def test_the_core_and_engine_are_pure():
         bad |= {
             o
             for o in _ours(names, modules)
-            if _under(o, ("vllm", "nixl", "mooncake", "staging", "testing")) and not (m == "worker" and o.startswith("staging"))
+            if _under(o, ("vllm", *FACES, "transports.nixl", "transports.mooncake", "transports.staging"))
+            and not (m == "worker" and _under(o, ("transports.staging",)))
         }
         assert not bad, f"kv_connectors.{m} imports {sorted(bad)}"
+
+
+def test_only_the_faces_import_the_adapter():
+    modules = _modules()
+    offenders = [
+        m
+        for m, path in modules.items()
+        if not _under(m, ("vllm", *FACES)) and any(_under(o, ("vllm",)) for o in _ours(_imports(path, False), modules))
+    ]
+    offenders = [m for m in offenders if m != "plugin"]  # registers through compat, inside register()
+    assert not offenders, f"modules other than the adapter and its faces {FACES} import kv_connectors.vllm: {offenders}"
 
 
 def test_transports_import_nothing_above_them():

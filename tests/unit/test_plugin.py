@@ -25,6 +25,13 @@ def test_register_is_idempotent_and_resolves_our_class():
 def test_module_path_form_loads_our_class_despite_the_builtin_name():
     cfg = KVTransferConfig(kv_connector="NixlConnector", kv_connector_module_path="kv_connectors.nixl", kv_role="kv_producer")
     assert KVConnectorFactory.get_connector_class(cfg) is NixlConnector
+    from kv_connectors.mooncake import MooncakeConnector
+
+    cfg = KVTransferConfig(
+        kv_connector="MooncakeConnector", kv_connector_module_path="kv_connectors.mooncake", kv_role="kv_producer"
+    )
+    assert KVConnectorFactory.get_connector_class(cfg) is MooncakeConnector
+    assert MooncakeConnector.default_extra_config == {"mode": "push"}
     cfg = KVTransferConfig(kv_connector="KvcNixlConnector", kv_role="kv_consumer")
     plugin.register()
     assert KVConnectorFactory.get_connector_class(cfg) is NixlConnector

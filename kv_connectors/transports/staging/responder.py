@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kv_connectors.errors import TransportError
-from kv_connectors.staging.messages import (
+from kv_connectors.transports.staging.messages import (
     Error,
     Free,
     Msg,

@@ -15,10 +15,11 @@ import numpy as np
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError
 from kv_connectors.layout import KVLayout, Region
 from kv_connectors.plan import TransferPlan
-from kv_connectors.staging.chunks import Chunks, chunk_plan, one_run
-from kv_connectors.staging.copier import Copier, CudaCopier, HostCopier
-from kv_connectors.staging.initiator import Chunk, Initiator
-from kv_connectors.staging.messages import (
+from kv_connectors.transports.base import MemoryKind, Transport, XferState
+from kv_connectors.transports.staging.chunks import Chunks, chunk_plan, one_run
+from kv_connectors.transports.staging.copier import Copier, CudaCopier, HostCopier
+from kv_connectors.transports.staging.initiator import Chunk, Initiator
+from kv_connectors.transports.staging.messages import (
     DEC,
     ENC,
     ERROR_KINDS,
@@ -38,8 +39,7 @@ from kv_connectors.staging.messages import (
     error_kind,
     user_bytes,
 )
-from kv_connectors.staging.responder import Responder, Serve
-from kv_connectors.transport import MemoryKind, Transport, XferState
+from kv_connectors.transports.staging.responder import Responder, Serve
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kv_connectors.errors import TransportError
-from kv_connectors.staging.chunks import one_run
-from kv_connectors.staging.messages import (
+from kv_connectors.transports.base import Transport, XferState
+from kv_connectors.transports.staging.chunks import one_run
+from kv_connectors.transports.staging.messages import (
     ENC,
     MSG_MAGIC,
     Free,
@@ -28,10 +29,9 @@ from kv_connectors.staging.messages import (
     pack_runs,
     user_bytes,
 )
-from kv_connectors.transport import Transport, XferState
 
 if TYPE_CHECKING:  # annotations only: transport.py imports this module
-    from kv_connectors.staging.transport import StagedXfer
+    from kv_connectors.transports.staging.transport import StagedXfer
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from kv_connectors.errors import (
 )
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TransferPlan
-from kv_connectors.transport import MemoryKind, XferState
+from kv_connectors.transports.base import MemoryKind, XferState
 
 logger = logging.getLogger(__name__)
 
