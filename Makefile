@@ -30,13 +30,13 @@ $(STAMP): setup.py pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) examples/demo.py $(DEMO_ARGS)
+	$(VPY) -m examples.demo $(DEMO_ARGS)
 
 # e.g. make demo DEMO_ARGS="--transport mooncake", DEMO_ARGS="--mode push" or DEMO_ARGS="--staging on"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kv_connectors tests benchmarks examples
-	$(VENV)/bin/ruff format --check kv_connectors tests benchmarks examples
+	$(VENV)/bin/ruff check kv_connectors kvc_testing tests benchmarks examples
+	$(VENV)/bin/ruff format --check kv_connectors kvc_testing tests benchmarks examples
 	$(VENV)/bin/mypy
 
 test: lint
@@ -47,20 +47,20 @@ test-fast test-unit: lint
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/unit
 
 bench: $(STAMP)
-	$(VPY) benchmarks/bench_transport.py --size-mib 256 --block-kib 16 --order sequential
-	$(VPY) benchmarks/bench_transport.py --size-mib 256 --block-kib 16 --order shuffled
-	$(VPY) benchmarks/bench_hooks.py
+	$(VPY) -m benchmarks.bench_transport --size-mib 256 --block-kib 16 --order sequential
+	$(VPY) -m benchmarks.bench_transport --size-mib 256 --block-kib 16 --order shuffled
+	$(VPY) -m benchmarks.bench_hooks
 
 # Real vLLM servers, one configuration after another (minutes): TTFT against vLLM's built-in
 # connector and colocated, layer-wise push, the proxy's own latency.
 bench-e2e: $(STAMP)
-	$(VPY) benchmarks/bench_e2e.py --model-size medium $(BENCH_ARGS)
-	$(VPY) benchmarks/bench_layerwise.py
-	$(VPY) benchmarks/bench_proxy.py
+	$(VPY) -m benchmarks.bench_e2e --model-size medium $(BENCH_ARGS)
+	$(VPY) -m benchmarks.bench_layerwise
+	$(VPY) -m benchmarks.bench_proxy
 
 # Fault scenarios against vLLM's built-in connector (real servers, ~6 minutes).
 bench-faults: $(STAMP)
-	$(VPY) benchmarks/bench_faults.py $(BENCH_ARGS)
+	$(VPY) -m benchmarks.bench_faults $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

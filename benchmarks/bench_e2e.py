@@ -18,11 +18,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.e2e_client import RequestFailed, run_load  # noqa: E402
-from benchmarks.e2e_configs import (  # noqa: E402
+from benchmarks.e2e_client import RequestFailed, run_load
+from benchmarks.e2e_configs import (
     BUILTIN,
     COLOCATED,
     CONFIGS,
@@ -33,7 +30,7 @@ from benchmarks.e2e_configs import (  # noqa: E402
     parse_configs,
     settings_for,
 )
-from benchmarks.e2e_stats import (  # noqa: E402
+from benchmarks.e2e_stats import (
     Sample,
     add_ratios,
     by_length_table,
@@ -42,9 +39,9 @@ from benchmarks.e2e_stats import (  # noqa: E402
     ratios_table,
     summarize,
 )
-from kv_connectors.testing.cluster import ProxyProcess, make_prompts, metric, stats  # noqa: E402
-from kv_connectors.testing.procs import VllmServer  # noqa: E402
-from kv_connectors.testing.tiny_model import (  # noqa: E402
+from kvc_testing.cluster import ProxyProcess, make_prompts, metric, stats
+from kvc_testing.procs import VllmServer
+from kvc_testing.tiny_model import (
     MODEL_SIZES,
     build_tiny_model,
     kv_bytes_per_token,

@@ -25,17 +25,13 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httpx
 
-import httpx  # noqa: E402
-
-from benchmarks.bench_e2e import machine  # noqa: E402
-from benchmarks.e2e_configs import ServerSettings, settings_for  # noqa: E402
-from benchmarks.fault_scenarios import (  # noqa: E402
+from benchmarks.bench_e2e import machine
+from benchmarks.e2e_configs import ServerSettings, settings_for
+from benchmarks.fault_scenarios import (
     BUSY_MIN_TOKENS,
     BUSY_PROMPT_TOKENS,
     D_MAX_NUM_SEQS,
@@ -48,7 +44,7 @@ from benchmarks.fault_scenarios import (  # noqa: E402
     Pair,
     connectors,
 )
-from kv_connectors.testing.tiny_model import build_tiny_model  # noqa: E402
+from kvc_testing.tiny_model import build_tiny_model
 
 logger = logging.getLogger("bench_faults")
 

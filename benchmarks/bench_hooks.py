@@ -16,15 +16,12 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kv_connectors.config import parse_config  # noqa: E402
-from kv_connectors.vllm.compat import RequestStatus  # noqa: E402
-from kv_connectors.vllm.scheduler import SchedulerSide  # noqa: E402
+from kv_connectors.config import parse_config
+from kv_connectors.vllm.compat import RequestStatus
+from kv_connectors.vllm.scheduler import SchedulerSide
 
 BLOCK_SIZE = 32
 

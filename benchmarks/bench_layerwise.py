@@ -16,16 +16,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.e2e_client import stream_one  # noqa: E402
-from benchmarks.e2e_stats import Sample  # noqa: E402
-from kv_connectors.testing.cluster import (  # noqa: E402
+from benchmarks.e2e_client import stream_one
+from benchmarks.e2e_stats import Sample
+from kvc_testing.cluster import (
     ENTRY_POINT_FORM,
     MODULE_FORM,
     MOONCAKE_ENTRY_POINT_FORM,
@@ -35,8 +32,8 @@ from kv_connectors.testing.cluster import (  # noqa: E402
     stats,
     transfer_id_params,
 )
-from kv_connectors.testing.procs import VllmServer  # noqa: E402
-from kv_connectors.testing.tiny_model import build_tiny_model  # noqa: E402
+from kvc_testing.procs import VllmServer
+from kvc_testing.tiny_model import build_tiny_model
 
 FORMS = {"nixl": (MODULE_FORM, ENTRY_POINT_FORM), "mooncake": (MOONCAKE_MODULE_FORM, MOONCAKE_ENTRY_POINT_FORM)}
 

@@ -7,7 +7,7 @@ Starts a colocated vLLM server, a NIXL P and D and examples/proxy.py on the tiny
   proxy      through examples/proxy.py
 proxy/direct is the cost of disaggregation as a user sees it; proxy - manual_pd is the proxy's own overhead.
 
-    python benchmarks/bench_proxy.py [--requests 50] [--json]
+    python -m benchmarks.bench_proxy [--requests 50] [--json]
 """
 
 from __future__ import annotations
@@ -15,19 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kv_connectors.testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server  # noqa: E402
-from kv_connectors.testing.procs import VllmServer  # noqa: E402
-from kv_connectors.testing.tiny_model import build_tiny_model  # noqa: E402
+from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server
+from kvc_testing.procs import VllmServer
+from kvc_testing.tiny_model import build_tiny_model
 
 PROMPT = [17]
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}

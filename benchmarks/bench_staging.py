@@ -1,7 +1,7 @@
 """Staging against direct, in one run: the same KV blocks moved between two processes with the KV cache
 registered (direct) and through a bounded host pool (staged), on CPU or CUDA KV memory.
 
-    python benchmarks/bench_staging.py --device cpu|cuda --transport nixl|mooncake --size-mib 256 \
+    python -m benchmarks.bench_staging --device cpu|cuda --transport nixl|mooncake --size-mib 256 \
         --pool-fraction 8 --chunk-kib 1024,4096 --order sequential --json
 
 D (this process) pulls (or, --mode push, writes) every block of P's KV cache; each variant runs in a
@@ -19,16 +19,11 @@ import logging
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_transport import HEAD_DIM_X2, KV_HEADS, Shape, add_engine_args, block_ids, make_transport
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout

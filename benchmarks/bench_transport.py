@@ -9,16 +9,11 @@ import logging
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable (--sweep, --plot)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import TransferPlan, plan_transfer

@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kv_connectors.testing.cluster import MODULE_FORM, MOONCAKE_MODULE_FORM, pd_server
-from kv_connectors.testing.procs import MiB, VllmServer, free_port
-from kv_connectors.testing.tiny_model import kv_bytes_per_token, max_positions
+from kvc_testing.cluster import MODULE_FORM, MOONCAKE_MODULE_FORM, pd_server
+from kvc_testing.procs import MiB, VllmServer, free_port
+from kvc_testing.tiny_model import kv_bytes_per_token, max_positions
 
 COLOCATED = "colocated"
 BUILTIN = "builtin-nixl"

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from kv_connectors.config import ConnectorConfig
-from kv_connectors.testing.cluster import metric, stats
-from kv_connectors.testing.procs import VllmServer
+from kvc_testing.cluster import metric, stats
+from kvc_testing.procs import VllmServer
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
 # vLLM's built-in NixlConnector's Prometheus counters on D (names as /metrics prints them).

@@ -34,7 +34,7 @@ from benchmarks.fault_probes import (
     response_summary,
     send_request,
 )
-from kv_connectors.testing.cluster import (
+from kvc_testing.cluster import (
     MODULE_FORM,
     generate,
     make_prompts,
@@ -44,7 +44,7 @@ from kv_connectors.testing.cluster import (
     prefill,
     stats,
 )
-from kv_connectors.testing.procs import VllmServer
+from kvc_testing.procs import VllmServer
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ python3 -c "import torch, nixl, msgspec; print('torch', torch.__version__, 'cuda
 step() { echo "=== $1"; shift; local t0=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
 step "pytest: CUDA copier and the NIXL staging suite on device KV" timeout 200 python3 -m pytest -q -x \
   -p no:cacheprovider tests/transports/test_staging.py -k "cuda_copier or nixl" -o log_level=WARNING 2>&1 | tail -25
-B="timeout 100 python3 benchmarks/bench_staging.py --transport nixl --layers 8 --block-kib 16 --repeat 5 --json"
+B="timeout 100 python3 -m benchmarks.bench_staging --transport nixl --layers 8 --block-kib 16 --repeat 5 --json"
 bench() { local name=$1; shift; step "bench $name: $*" $B "$@" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/$name.txt"; }
 # Direct READ of same-node VRAM with UCX's own cuda_ipc GET setting (auto: off without NVLink), then ours.
 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto bench cuda_pull_get_auto --device cuda --size-mib 1024 --chunk-kib ""

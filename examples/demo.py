@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from kv_connectors.testing.cluster import (
+from kvc_testing.cluster import (
     ENTRY_POINT_FORM,
     MODULE_FORM,
     MOONCAKE_ENTRY_POINT_FORM,
@@ -24,8 +24,8 @@ from kv_connectors.testing.cluster import (
     stats,
     wait_until,
 )
-from kv_connectors.testing.procs import VllmServer
-from kv_connectors.testing.tiny_model import build_tiny_model
+from kvc_testing.procs import VllmServer
+from kvc_testing.tiny_model import build_tiny_model
 
 LENGTHS = [1, 17, 31, 32, 33, 64, 100, 129, 250, 333, 400, 500]
 MAX_MODEL_LEN = 512

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_connectors.testing.procs import started_processes
+from kvc_testing.procs import started_processes
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from kv_connectors.testing.cluster import (
+from kvc_testing.cluster import (
     generate,
     make_prompts,
     metric,

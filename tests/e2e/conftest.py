@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kv_connectors.testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server
-from kv_connectors.testing.procs import VllmServer
-from kv_connectors.testing.tiny_model import build_tiny_model, perturb_kv_weights
+from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server
+from kvc_testing.procs import VllmServer
+from kvc_testing.tiny_model import build_tiny_model, perturb_kv_weights
 
 MAX_MODEL_LEN = 512
 

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from kv_connectors import wire
-from kv_connectors.testing.cluster import generate, make_prompts, output_ids, prefill, stats, wait_until
+from kvc_testing.cluster import generate, make_prompts, output_ids, prefill, stats, wait_until
 from tests.e2e.checks import MAX_TOKENS
 
 FUZZ_MESSAGES = 2500

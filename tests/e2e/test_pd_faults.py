@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
-from kv_connectors.testing.tiny_model import build_tiny_model
+from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kvc_testing.tiny_model import build_tiny_model
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 

@@ -6,14 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_connectors.testing.cluster import (
+from kvc_testing.cluster import (
     MOONCAKE_ENTRY_POINT_FORM,
     MOONCAKE_MODULE_FORM,
     ProxyProcess,
     pd_server,
     stats,
 )
-from kv_connectors.testing.procs import VllmServer
+from kvc_testing.procs import VllmServer
 from tests.e2e.checks import (
     PROMPTS,
     assert_dead_producer_fails_fast,

@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd_server, stats, wait_until
+from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, stats, wait_until
 from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_foreign_kv_changes_output, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_connectors.testing.cluster import (
+from kvc_testing.cluster import (
     ENTRY_POINT_FORM,
     ProxyProcess,
     generate,
@@ -18,7 +18,7 @@ from kv_connectors.testing.cluster import (
     stats,
     wait_until,
 )
-from kv_connectors.testing.procs import VllmServer
+from kvc_testing.procs import VllmServer
 from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_dead_producer_fails_fast, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_connectors.testing.cluster import (
+from kvc_testing.cluster import (
     ENTRY_POINT_FORM,
     MODULE_FORM,
     MOONCAKE_ENTRY_POINT_FORM,

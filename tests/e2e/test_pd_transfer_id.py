@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_connectors.testing.cluster import ProxyProcess, generate, output_ids, stats, transfer_id_params, wait_until
+from kvc_testing.cluster import ProxyProcess, generate, output_ids, stats, transfer_id_params, wait_until
 from tests.e2e.checks import (
     MAX_TOKENS,
     PROMPTS,

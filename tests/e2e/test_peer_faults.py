@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
-from kv_connectors.testing.procs import free_port
+from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kvc_testing.procs import free_port
 from tests.e2e.checks import MAX_TOKENS
 from tests.e2e.conftest import MAX_MODEL_LEN
 

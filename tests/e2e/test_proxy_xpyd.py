@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kv_connectors.testing.cluster import (
+from kvc_testing.cluster import (
     ENTRY_POINT_FORM,
     MODULE_FORM,
     ProxyProcess,
@@ -28,7 +28,7 @@ from kv_connectors.testing.cluster import (
     stats,
     wait_until,
 )
-from kv_connectors.testing.procs import VllmServer
+from kvc_testing.procs import VllmServer
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 MAX_TOKENS = 8

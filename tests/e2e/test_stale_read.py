@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kv_connectors.testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
 from tests.e2e.checks import MAX_TOKENS
 from tests.e2e.conftest import MAX_MODEL_LEN
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kv_connectors.testing.procs import (
+from kvc_testing.procs import (
     ManagedProcess,
     VllmServer,
     completion,
     free_port,
     free_ports,
 )
-from kv_connectors.testing.tiny_model import (
+from kvc_testing.tiny_model import (
     MARKER_FILE,
     build_tiny_model,
     perturb_kv_weights,
@@ -127,7 +127,7 @@ def test_perturbed_kv_weights_change_output_but_not_config(servers: Servers) -> 
 
 def test_build_is_deterministic_cached_and_concurrency_safe(tmp_path: Path) -> None:
     # Two processes build into the same empty cache at once; a third builds elsewhere.
-    code = "import sys; from kv_connectors.testing.tiny_model import build_tiny_model; print(build_tiny_model(sys.argv[1]))"
+    code = "import sys; from kvc_testing.tiny_model import build_tiny_model; print(build_tiny_model(sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     dirs = [tmp_path / "shared", tmp_path / "shared", tmp_path / "other"]
     procs = [subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, env=env) for d in dirs]

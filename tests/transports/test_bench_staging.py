@@ -1,4 +1,4 @@
-"""benchmarks/bench_staging.py on real transports (CPU KV): both variants move verified bytes, the pool is 1/8."""
+"""`python -m benchmarks.bench_staging` on real transports (CPU KV): both variants move verified bytes, the pool is 1/8."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_staging_reports_direct_and_staged(transport: str, mode: str, loopback_env: None) -> None:
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "bench_staging.py"),
+        "-m",
+        "benchmarks.bench_staging",
         "--transport",
         transport,
         "--mode",

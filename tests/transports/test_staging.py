@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kv_connectors.transports import staging
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError, TransportUnavailableError
 from kv_connectors.plan import TransferPlan, plan_transfer
+from kv_connectors.transports import staging
 from kv_connectors.transports.base import MemoryKind, XferState
 from kv_connectors.transports.staging import StagedTransport, StagedXfer, chunk_plan
 from tests.transports import helpers, peer

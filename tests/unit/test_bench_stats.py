@@ -33,7 +33,7 @@ from benchmarks.e2e_stats import (
     summarize,
 )
 from benchmarks.plots import line_plot
-from kv_connectors.testing.procs import MiB
+from kvc_testing.procs import MiB
 
 
 def test_percentile_interpolates_between_ranks_like_numpy():

@@ -149,3 +149,24 @@ def test_no_import_cycle():
     for m in graph:
         if m not in state:
             visit(m, [m])
+
+
+def test_the_wheel_ships_the_package_only_and_imports_what_it_declares():
+    """The wheel holds kv_connectors alone (test and benchmark support stay in the checkout), and its
+    modules import only the standard library, the declared dependencies and the optional engines."""
+    import sys
+
+    import tomllib
+    from setuptools import find_packages
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = set(find_packages(str(ROOT.parent), include=include))
+    assert shipped and all(p == "kv_connectors" or p.startswith("kv_connectors.") for p in shipped), shipped
+    assert {"kvc_testing", "benchmarks", "tests"}.isdisjoint(shipped)
+    declared = {"msgspec", "zmq", "numpy"}  # [project] dependencies (pyzmq imports as zmq)
+    optional = {"torch", "vllm", "nixl", "mooncake"}  # the extras, and vLLM's own torch
+    for m, path in _modules().items():
+        tops = {n.split(".")[0] for n in _imports(path, module_level_only=False)}
+        foreign = tops - set(sys.stdlib_module_names) - declared - optional - {"kv_connectors"}
+        assert not foreign, f"kv_connectors.{m} imports {sorted(foreign)}, which the wheel does not declare"

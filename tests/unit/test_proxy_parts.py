@@ -229,7 +229,7 @@ def test_sse_reindexer_across_chunk_boundaries() -> None:
 
 
 def test_proxy_process_argv_with_side_channels() -> None:
-    from kv_connectors.testing.cluster import ProxyProcess
+    from kvc_testing.cluster import ProxyProcess
 
     proc = ProxyProcess(
         ["http://p1:1", "http://p2:1"],

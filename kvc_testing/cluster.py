@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 
 from kv_connectors import sidechannel, wire
-from kv_connectors.testing.procs import ManagedProcess, VllmServer, free_port
+from kvc_testing.procs import ManagedProcess, VllmServer, free_port
 
 logger = logging.getLogger(__name__)
 
-PROXY_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "proxy.py"
+PROXY_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "proxy.py"
 
 # The two ways users load our connector: vLLM's module-path form and our entry-point name.
 MODULE_FORM = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kv_connectors.nixl"}

@@ -239,7 +239,7 @@ class ManagedProcess:
 
 def _source_root() -> Path | None:
     """The checkout holding this package, if running from one (so children can import it)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     return root if (root / "setup.py").exists() or (root / "pyproject.toml").exists() else None
 
 
