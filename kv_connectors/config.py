@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kv_connectors.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class TransferMode(enum.Enum):
@@ -170,6 +173,59 @@ _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))
 
+# Drop-in for vLLM's built-in NixlConnector: a switching user keeps the launch script and extra
+# config that worked there. Its side-channel environment variables are our defaults (our config keys
+# still win); its extra-config keys are mapped to ours, or accepted with a warning where they have
+# no counterpart here (never silently, never a start-up failure).
+BUILTIN_ENV: dict[str, str] = {
+    "side_channel_host": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+    "side_channel_port": "VLLM_NIXL_SIDE_CHANNEL_PORT",
+}
+BUILTIN_ALIASES: dict[str, str] = {
+    "kv_lease_duration": "lease_s",
+    "num_threads": "nixl_num_threads",
+    "backends": "nixl_backend",
+}
+BUILTIN_WITHOUT_EFFECT: dict[str, str] = {
+    "enforce_handshake_compat": "the compatibility hash is always checked here",
+    "bidirectional_kv_xfer": "set `mode` (pull or push) instead",
+    "decoder_kv_blocks_ttl": "D holds no blocks for P here",
+    "engine_ttl": "peers are forgotten on disconnect or a new epoch here",
+    "kv_recompute_threshold": "a failed load follows vLLM's kv_load_failure_policy",
+    "push_registration_timeout": "push requests wait for transfer_timeout_s here",
+}
+
+
+def _from_builtin(extra: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The built-in connector's settings translated to ours (ours win where both are given)."""
+    out = dict(extra)
+    for ours, env in BUILTIN_ENV.items():
+        if ours not in out and environ.get(env, "") != "":
+            raw = environ[env]
+            try:
+                out[ours] = _CHECKERS[ours](ours, int(raw) if ours == "side_channel_port" else raw)
+            except (ValueError, ConfigError):
+                what = "an integer port in 1..65535" if ours == "side_channel_port" else "a host name or address"
+                raise ConfigError(
+                    f"environment variable {env} (the built-in connector's {ours}) must be {what}; got {raw!r}"
+                ) from None
+    for theirs, ours in BUILTIN_ALIASES.items():
+        if theirs not in out:
+            continue
+        value = out.pop(theirs)
+        if theirs == "backends":
+            if not isinstance(value, (list, tuple)) or len(value) != 1:
+                raise ConfigError(f"kv_connector_extra_config['backends'] must name exactly one NIXL backend; got {value!r}")
+            value = value[0]
+        if ours in out and out[ours] != value:
+            raise ConfigError(f"kv_connector_extra_config sets both {theirs!r} (vLLM's name) and {ours!r} to different values")
+        out[ours] = value
+    for theirs, why in BUILTIN_WITHOUT_EFFECT.items():
+        if theirs in out:
+            out.pop(theirs)
+            logger.warning("kv_connector_extra_config[%r] (vLLM's built-in connector) has no effect: %s", theirs, why)
+    return out
+
 
 def parse_role(value: Any) -> Role:
     """vLLM's kv_role string as a Role, or a ConfigError naming the valid ones."""
@@ -190,7 +246,7 @@ def parse_config(
 
     defaults: a connector's own defaults for some keys (e.g. Mooncake pushes), overridden by extra.
     """
-    extra = {**dict(defaults or {}), **dict(extra or {})}
+    extra = _from_builtin({**dict(defaults or {}), **dict(extra or {})}, os.environ)
     unknown = sorted(set(extra) - set(_CHECKERS))
     if unknown:
         raise ConfigError(
