@@ -21,6 +21,15 @@ logger = logging.getLogger(__name__)
 
 PROXY_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "proxy.py"
 
+
+def proxy_command() -> list[str]:
+    """The installed `kv-connectors-proxy` command (pip install -e '.[proxy]'; `make setup` does)."""
+    command = Path(sys.executable).with_name("kv-connectors-proxy")
+    if not command.exists():
+        raise RuntimeError(f"{command} is missing: install the package with its proxy extra (make setup)")
+    return [str(command)]
+
+
 # The two ways users load our connector: vLLM's module-path form and our entry-point name.
 MODULE_FORM = {"kv_connector": "NixlConnector", "kv_connector_module_path": "kv_connectors.nixl"}
 ENTRY_POINT_FORM = {"kv_connector": "KvcNixlConnector"}
@@ -72,7 +81,7 @@ def pd_server(
 
 
 class ProxyProcess(ManagedProcess):
-    """examples/proxy.py as a child process.
+    """The proxy (the installed `kv-connectors-proxy` command) as a child process.
 
     `prefill_side_channels` (one per prefill URL, None for none) become `--prefill URL SIDE_CHANNEL`;
     `extra_args` are more proxy flags (e.g. `["--flow", "transfer-id", "--health-interval-s", "0.5"]`)."""
@@ -90,7 +99,7 @@ class ProxyProcess(ManagedProcess):
         side_channels = [None] * len(prefill_urls) if prefill_side_channels is None else list(prefill_side_channels)
         if len(side_channels) != len(prefill_urls):
             raise ValueError("prefill_side_channels needs one entry per prefill URL")
-        argv = [sys.executable, str(PROXY_SCRIPT), "--port", str(self.port)]
+        argv = [*proxy_command(), "--port", str(self.port)]
         for u, side_channel in zip(prefill_urls, side_channels):
             argv += ["--prefill", u] + ([] if side_channel is None else [str(side_channel)])
         for u in decode_urls:

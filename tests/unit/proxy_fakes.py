@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-import pd_proxy  # examples/ is on pytest's pythonpath (pyproject.toml)
-from pd_proxy.config import BackendSpec, ProxyConfig, SideChannel
+import kv_connectors.proxy  # examples/ is on pytest's pythonpath (pyproject.toml)
+from kv_connectors.proxy.config import BackendSpec, ProxyConfig, SideChannel
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
 D1, D2 = "http://d1.test:8200", "http://d2.test:8200"
@@ -186,7 +186,7 @@ def config(
 @asynccontextmanager
 async def running(cfg: ProxyConfig, fleet: Fleet, health_checks: bool = False) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """The proxy app with its lifespan running in this loop, and a client talking to it over ASGI."""
-    app = pd_proxy.build_app(cfg, transport=httpx.MockTransport(fleet.handler), health_checks=health_checks)
+    app = kv_connectors.proxy.build_app(cfg, transport=httpx.MockTransport(fleet.handler), health_checks=health_checks)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy", timeout=10) as client:
             yield app, client

@@ -119,6 +119,16 @@ def test_only_the_faces_import_the_adapter():
     assert not offenders, f"modules other than the adapter and its faces {FACES} import kv_connectors.vllm: {offenders}"
 
 
+def test_the_proxy_is_standalone():
+    """The proxy speaks vLLM's HTTP API only: it imports nothing else of ours (and no vLLM)."""
+    modules = _modules()
+    for m, path in modules.items():
+        if _under(m, ("proxy",)):
+            names = _imports(path, module_level_only=False)
+            ours = {o for o in _ours(names, modules) if not _under(o, ("proxy",))}
+            assert not ours and not any(n.split(".")[0] == "vllm" for n in names), f"kv_connectors.{m} imports {ours}"
+
+
 def test_transports_import_nothing_above_them():
     modules = _modules()
     for m, path in modules.items():
@@ -166,7 +176,9 @@ def test_the_wheel_ships_the_package_only_and_imports_what_it_declares():
     assert {"kvc_testing", "benchmarks", "tests"}.isdisjoint(shipped)
     declared = {"msgspec", "zmq", "numpy"}  # [project] dependencies (pyzmq imports as zmq)
     optional = {"torch", "vllm", "nixl", "mooncake"}  # the extras, and vLLM's own torch
+    proxy_extra = {"fastapi", "starlette", "uvicorn", "httpx", "prometheus_client", "anyio"}  # [proxy] (starlette: fastapi)
     for m, path in _modules().items():
         tops = {n.split(".")[0] for n in _imports(path, module_level_only=False)}
-        foreign = tops - set(sys.stdlib_module_names) - declared - optional - {"kv_connectors"}
+        allowed = declared | optional | (proxy_extra if _under(m, ("proxy",)) else set())
+        foreign = tops - set(sys.stdlib_module_names) - allowed - {"kv_connectors"}
         assert not foreign, f"kv_connectors.{m} imports {sorted(foreign)}, which the wheel does not declare"

@@ -10,8 +10,8 @@ import socket
 import httpx
 import pytest
 
-import pd_proxy
-from pd_proxy.config import Policy
+import kv_connectors.proxy
+from kv_connectors.proxy.config import Policy
 from tests.unit.proxy_fakes import (
     D1,
     D2,
@@ -347,7 +347,7 @@ def test_real_network_refused_and_timeout() -> None:
     """Through real sockets: a closed port gives 502, a server that never answers gives 504."""
 
     async def one(p_url: str) -> httpx.Response:
-        app = pd_proxy.build_app(config((p_url,), (D1,), prefill_timeout_s=0.5, max_retries=0), health_checks=False)
+        app = kv_connectors.proxy.build_app(config((p_url,), (D1,), prefill_timeout_s=0.5, max_retries=0), health_checks=False)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
                 return await client.post("/v1/completions", json={"prompt": "a"})

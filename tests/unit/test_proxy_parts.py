@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pd_proxy.backends import BackendPool
-from pd_proxy.bodies import SseReindexer, merge_answers, merged_usage_event, split_prompts
-from pd_proxy.config import BackendSpec, Flow, Policy, ProxyConfig, Role, SideChannel, parse_args
-from pd_proxy.metrics import ProxyMetrics
+from kv_connectors.proxy.backends import BackendPool
+from kv_connectors.proxy.bodies import SseReindexer, merge_answers, merged_usage_event, split_prompts
+from kv_connectors.proxy.config import BackendSpec, Flow, Policy, ProxyConfig, Role, SideChannel, parse_args
+from kv_connectors.proxy.metrics import ProxyMetrics
 from tests.unit.proxy_fakes import D1, D2, P1, P2, config, metric_value, sse
 
 PROXY_SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "proxy.py")
@@ -238,7 +238,8 @@ def test_proxy_process_argv_with_side_channels() -> None:
         prefill_side_channels=["10.0.0.1:5710", None],
         extra_args=["--flow", "params"],
     )
-    assert proc.argv[2:] == [
+    assert proc.argv[0].endswith("kv-connectors-proxy")
+    assert proc.argv[1:] == [
         "--port",
         "8123",
         "--prefill",
@@ -251,6 +252,6 @@ def test_proxy_process_argv_with_side_channels() -> None:
         "--flow",
         "params",
     ]
-    assert parse_args(proc.argv[2:]).prefill[0].side_channel == SideChannel("10.0.0.1", 5710)
+    assert parse_args(proc.argv[1:]).prefill[0].side_channel == SideChannel("10.0.0.1", 5710)
     with pytest.raises(ValueError):
         ProxyProcess(["http://p1:1"], ["http://d:2"], prefill_side_channels=[])

@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-import pd_proxy
+import kv_connectors.proxy
 from tests.unit.proxy_fakes import KV_FROM_P, config
 
 
@@ -88,7 +88,7 @@ def _wait(predicate: Any, what: str, timeout: float = 10.0) -> None:
 def test_client_disconnect_aborts_decode(stream: bool) -> None:
     p, d = Backend("prefill"), Backend("decode")
     with serve(p.app) as p_url, serve(d.app) as d_url:
-        app = pd_proxy.build_app(config((p_url,), (d_url,)))
+        app = kv_connectors.proxy.build_app(config((p_url,), (d_url,)))
         with serve(app) as proxy_url:
             with httpx.Client(timeout=10) as client:
                 if stream:

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pd_proxy.config import Flow
+from kv_connectors.proxy.config import Flow
 from tests.unit.proxy_fakes import D1, D2, P1, P2, Call, Fleet, asgi_stream, config, metric_value, running
 
 pytestmark = pytest.mark.anyio

@@ -148,7 +148,7 @@ def _prefill_spec(values: Sequence[str]) -> BackendSpec:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="proxy.py",
+        prog="kv-connectors-proxy",  # also `python examples/proxy.py`, `python -m kv_connectors.proxy`
         description="PD disaggregation proxy: N prefill and M decode vLLM servers behind one OpenAI endpoint.",
     )
     add = parser.add_argument
