@@ -16,6 +16,18 @@ class XferState(enum.Enum):
     DONE = "done"
 
 
+class Op(str, enum.Enum):
+    """What a posted plan does: READ copies the peer's memory into ours, WRITE ours into the peer's.
+
+    A str (the engines' own spelling, "READ" / "WRITE"); str() and formatting give the bare value."""
+
+    READ = "READ"
+    WRITE = "WRITE"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class MemoryKind(enum.Enum):
     """Where the registered KV cache lives."""
 

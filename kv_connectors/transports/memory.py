@@ -23,6 +23,7 @@ from kv_connectors.errors import (
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TransferPlan
 from kv_connectors.transports.base import MemoryKind, XferState
+from kv_connectors.transports.intervals import Ranges
 
 Handler = Callable[[wire.Body], wire.Body]
 
@@ -132,7 +133,7 @@ class MemoryTransport:
         self.delay_s = delay_s
         self.fail_next_post: TransportError | None = None  # raised by the next post_read/post_write
         self._fabric = fabric
-        self._ranges: list[tuple[int, int]] = []
+        self._ranges = Ranges()
         self._peers: set[str] = set()
         self._inbox: list[tuple[str, bytes]] = []
         self.posted = 0
@@ -141,7 +142,7 @@ class MemoryTransport:
     def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
         if kind is not MemoryKind.HOST:
             raise TransportError("the memory transport registers host memory only")
-        self._ranges = [(r.base, r.base + r.span) for r in layout.regions]
+        self._ranges = Ranges((r.base, r.base + r.span) for r in layout.regions)
 
     def local_metadata(self) -> bytes:
         return self.name.encode()
@@ -217,10 +218,11 @@ class MemoryTransport:
         self._fabric.agents.pop(self.name, None)
 
 
-def _check(ranges: list[tuple[int, int]], addr: np.ndarray, length: np.ndarray, what: str) -> None:
-    for a, n in zip(addr.tolist(), length.tolist()):
-        if not any(lo <= a and a + n <= hi for lo, hi in ranges):
-            raise TransportError(f"run [{a:#x}, +{n}) is outside {what}'s registered regions")
+def _check(ranges: Ranges, addr: np.ndarray, length: np.ndarray, what: str) -> None:
+    bad = ranges.first_outside(addr, length)
+    if bad is not None:
+        a, n = int(addr[bad]), int(length[bad])
+        raise TransportError(f"run [{a:#x}, +{n}) is outside {what}'s registered regions")
 
 
 def host_layout(buf: Any, num_blocks: int, block_size: int, num_regions: int = 2) -> KVLayout:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
+import enum
 import importlib
 import logging
 import socket
@@ -26,7 +27,8 @@ from kv_connectors.errors import (
 )
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TransferPlan
-from kv_connectors.transports.base import MemoryKind, XferState
+from kv_connectors.transports.base import MemoryKind, Op, XferState
+from kv_connectors.transports.intervals import Ranges, merge_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +74,21 @@ class _PeerInfo(msgspec.Struct, array_like=True, frozen=True):
     scratch_addr: int
 
 
+class _Notify(str, enum.Enum):
+    """The kind of send_notif's internal jobs: a MooncakeXfer that moves no data, only a notification."""
+
+    NOTIF = "NOTIF"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclasses.dataclass(eq=False)
 class MooncakeXfer:
     """Handle of one posted transfer (returned by post_read/post_write; pass it to poll/release)."""
 
     peer_name: str
-    op: str  # "READ" or "WRITE" ("NOTIF" for send_notif's internal jobs)
+    op: Op | _Notify  # READ or WRITE (NOTIF for send_notif's internal jobs)
     num_runs: int
     nbytes: int
     num_batches: int
@@ -220,8 +231,9 @@ class _PeerWorker:
 
     def _run_batch(self, job: MooncakeXfer, sub: TransferPlan) -> None:
         """Submit one batch and wait for it; naps first for most of its expected time (see _NAP_FRACTION)."""
-        local, remote = (sub.dst, sub.src) if job.op == "READ" else (sub.src, sub.dst)
-        submit = self._engine.batch_transfer_async_read if job.op == "READ" else self._engine.batch_transfer_async_write
+        read = job.op is Op.READ
+        local, remote = (sub.dst, sub.src) if read else (sub.src, sub.dst)
+        submit = self._engine.batch_transfer_async_read if read else self._engine.batch_transfer_async_write
         nbytes = sub.total_bytes
         size_class = (nbytes // sub.num_runs).bit_length()  # runs of similar size move at similar speed
         started = time.monotonic()
@@ -287,9 +299,8 @@ class MooncakeTransport:
         self._max_batch = max_batch
         self._peers: dict[str, _PeerWorker] = {}
         self._live: dict[int, MooncakeXfer] = {}
-        self._registered: list[tuple[int, int]] = []  # (start, end) of every registered range
-        self._starts = np.zeros(0, dtype=np.int64)
-        self._ends = np.zeros(0, dtype=np.int64)
+        self._registered: list[tuple[int, int]] = []  # (start, end) of every range registered with the engine
+        self._ranges = Ranges()  # the same, for checking our side of each plan
         self._scratch = np.zeros(_SCRATCH_BYTES, dtype=np.uint8)
         engine = mc.TransferEngine()
         rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
@@ -307,13 +318,9 @@ class MooncakeTransport:
         if kind is MemoryKind.DEVICE and not getattr(self._mc, "SUPPORT_CUDA", False):
             raise TransportError("this Mooncake build has no CUDA support: it cannot register device memory")
         location = "*" if kind is MemoryKind.HOST else f"cuda:{device_id}"
-        merged: list[list[int]] = []  # the engine refuses overlapping ranges (rc -7)
-        for start, end in sorted((r.base, r.base + r.span) for r in layout.regions):
-            if merged and start < merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        ranges = [(s, e - s) for s, e in merged if (s, e) not in set(self._registered)]
+        merged = merge_ranges((r.base, r.base + r.span) for r in layout.regions)  # the engine refuses overlaps (rc -7)
+        known = set(self._registered)
+        ranges = [(s, e - s) for s, e in merged if (s, e) not in known]
         self._register_ranges(ranges, location)
         logger.debug("Mooncake %s registered %d ranges (%s)", self.name, len(ranges), location)
 
@@ -326,8 +333,7 @@ class MooncakeTransport:
             raise TransportError(f"Mooncake {self.name}: registering {len(ranges)} ranges failed: rc {rc}{overlap}")
         self._registered += [(a, a + n) for a, n in ranges]
         self._registered.sort()
-        self._starts = np.array([s for s, _ in self._registered], dtype=np.int64)
-        self._ends = np.array([e for _, e in self._registered], dtype=np.int64)
+        self._ranges.add((a, a + n) for a, n in ranges)
 
     def local_metadata(self) -> bytes:
         """Opaque bytes for the handshake: our engine's session id and scratch address."""
@@ -356,13 +362,13 @@ class MooncakeTransport:
 
     def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> MooncakeXfer:
         """Start copying plan.src (peer memory) into plan.dst (ours); notif reaches the peer when done."""
-        return self._post("READ", peer_name, plan, notif)
+        return self._post(Op.READ, peer_name, plan, notif)
 
     def post_write(self, peer_name: str, plan: TransferPlan, notif: bytes) -> MooncakeXfer:
         """Start copying plan.src (ours) into plan.dst (peer memory); notif reaches the peer when done."""
-        return self._post("WRITE", peer_name, plan, notif)
+        return self._post(Op.WRITE, peer_name, plan, notif)
 
-    def _post(self, op: str, peer_name: str, plan: TransferPlan, notif: bytes) -> MooncakeXfer:
+    def _post(self, op: Op, peer_name: str, plan: TransferPlan, notif: bytes) -> MooncakeXfer:
         self._require_open()
         worker = self._require_peer(peer_name)
         self._check_local(op, plan)
@@ -378,15 +384,11 @@ class MooncakeTransport:
         logger.debug("Mooncake %s %s: %d runs, %d bytes, %d batches", op, peer_name, plan.num_runs, plan.total_bytes, batches)
         return handle
 
-    def _check_local(self, op: str, plan: TransferPlan) -> None:
+    def _check_local(self, op: Op, plan: TransferPlan) -> None:
         """TCP does not check our side's addresses: a run outside registered memory would corrupt it."""
-        if plan.num_runs == 0:
-            return
-        addr = plan.dst if op == "READ" else plan.src
-        idx = np.searchsorted(self._starts, addr, side="right") - 1
-        ok = (idx >= 0) & (addr + plan.length <= self._ends[np.maximum(idx, 0)]) & (plan.length > 0)
-        if not ok.all():
-            bad = int(np.flatnonzero(~ok)[0])
+        addr = plan.dst if op is Op.READ else plan.src
+        bad = self._ranges.first_outside(addr, plan.length)
+        if bad is not None:
             raise TransportError(
                 f"Mooncake {op}: local run {bad} ({int(addr[bad]):#x}, {int(plan.length[bad])} "
                 "bytes) is not inside registered memory"
@@ -414,7 +416,7 @@ class MooncakeTransport:
         """Queue a small message to a connected peer, after our earlier transfers to it. Failures are logged."""
         self._require_open()
         worker = self._require_peer(peer_name)
-        worker.submit(MooncakeXfer(peer_name, "NOTIF", 0, 0, 0, None, _encode_notif(msg), _quiet=True))
+        worker.submit(MooncakeXfer(peer_name, _Notify.NOTIF, 0, 0, 0, None, _encode_notif(msg), _quiet=True))
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """Messages received since the last call, as (sender's transport name, message)."""

@@ -22,7 +22,7 @@ from kv_connectors.errors import (
 )
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TransferPlan
-from kv_connectors.transports.base import MemoryKind, XferState
+from kv_connectors.transports.base import MemoryKind, Op, XferState
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class NixlXfer:
     """Handle of one posted transfer (returned by post_read/post_write; pass it to poll/release)."""
 
     peer_name: str
-    op: str  # "READ" or "WRITE"
+    op: Op
     num_runs: int
     nbytes: int
     _xfer: Any = None  # nixl_xfer_handle; None once released or for a notification-only transfer
@@ -267,13 +267,13 @@ class NixlTransport:
 
     def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> NixlXfer:
         """Start copying plan.src (peer memory) into plan.dst (ours); notif reaches the peer when done."""
-        return self._post("READ", peer_name, plan, notif)
+        return self._post(Op.READ, peer_name, plan, notif)
 
     def post_write(self, peer_name: str, plan: TransferPlan, notif: bytes) -> NixlXfer:
         """Start copying plan.src (ours) into plan.dst (peer memory); notif reaches the peer when done."""
-        return self._post("WRITE", peer_name, plan, notif)
+        return self._post(Op.WRITE, peer_name, plan, notif)
 
-    def _post(self, op: str, peer_name: str, plan: TransferPlan, notif: bytes) -> NixlXfer:
+    def _post(self, op: Op, peer_name: str, plan: TransferPlan, notif: bytes) -> NixlXfer:
         agent = self._require_open()
         peer = self._require_peer(peer_name)
         handle = NixlXfer(peer_name, op, plan.num_runs, plan.total_bytes)
@@ -283,12 +283,12 @@ class NixlTransport:
                 self.send_notif(peer_name, notif)
             handle._state = XferState.DONE
             return handle
-        local_addr, remote_addr = (plan.dst, plan.src) if op == "READ" else (plan.src, plan.dst)
+        local_addr, remote_addr = (plan.dst, plan.src) if op is Op.READ else (plan.src, plan.dst)
         xfer = None
         try:
             local = agent.get_xfer_descs(_desc_array(local_addr, plan.length, self._device_id), self._mem_type)
             remote = agent.get_xfer_descs(_desc_array(remote_addr, plan.length, peer.device_id), peer.mem_type)
-            xfer = agent.initialize_xfer(op, local, remote, peer_name, notif)
+            xfer = agent.initialize_xfer(op.value, local, remote, peer_name, notif)
             status = agent.transfer(xfer)
         except Exception as e:
             if xfer is not None:

@@ -73,6 +73,90 @@ def check_pool(loc: Local) -> None:
     assert stats["slots_in_use"] == 0
 
 
+# In-process (the memory transport): a peer's hostile messages, a death only a probe can see ------------
+class _RecordingCopier:
+    """Records the copies asked for and copies nothing (a hostile run must never reach memmove)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[int, int, int]] = []
+
+    def copy(self, pairs: Sequence[tuple[int, int, int]]) -> None:
+        self.pairs += pairs
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _memory_pair(copier: Any = None, probe_interval_s: float = 1.0) -> tuple[Any, list[StagedTransport], list[Any]]:
+    """Two staging transports "a" and "b" over one MemoryFabric, connected, each with a 4-region KV cache."""
+    from kv_connectors.transports.memory import MemoryFabric, MemoryTransport, host_layout
+
+    fabric = MemoryFabric()
+    ts, layouts, bufs = [], [], []
+    for i, name in enumerate(("a", "b")):
+        buf = np.random.default_rng(i).integers(0, 256, 64 * KiB, dtype=np.uint8)
+        t = StagedTransport(
+            MemoryTransport(name, fabric),
+            pool_bytes=4 * KiB,
+            chunk_bytes=KiB,
+            copier=copier if name == "a" else None,
+            probe_interval_s=probe_interval_s,
+        )
+        layout = host_layout(buf, num_blocks=16, block_size=1, num_regions=4)
+        t.register(layout)
+        ts.append(t)
+        layouts.append(layout)
+        bufs.append(buf)
+    ts[0].connect("b", ts[1].local_metadata())
+    ts[1].connect("a", ts[0].local_metadata())
+    return fabric, ts, [layouts, bufs]
+
+
+def test_a_stage_whose_lengths_wrap_int64_is_refused_not_copied() -> None:
+    """Bug fixed with the shared interval checks: two runs of 2**63-1 bytes pass `addr + length <= end`
+    (the sum wraps negative) and the chunk's total (numpy's sum wraps to 14): the old responder then
+    memmoved 2**63 bytes. A run ending exactly at a region's end is still served."""
+    from kv_connectors.transports.staging.messages import ENC, Stage, pack_runs
+
+    copier = _RecordingCopier()
+    fabric, (a, b), (layouts, _) = _memory_pair(copier)
+    region = layouts[0].regions[0]
+    base, end = region.base, region.base + region.span
+    huge = (1 << 63) - 1
+    hostile = pack_runs(np.array([base, base, base], np.int64), np.array([huge, huge, 16], np.int64))
+    fabric.agents["b"].send_notif("a", staging.MSG_MAGIC + ENC.encode([Stage(1, 0, hostile)]))
+    a.progress()
+    assert copier.pairs == [] and a.pool_stats()["slots_in_use"] == 0 and a.pool_stats()["queued"] == 0
+    edge = pack_runs(np.array([end - 100], np.int64), np.array([100], np.int64))  # ends exactly at the end
+    fabric.agents["b"].send_notif("a", staging.MSG_MAGIC + ENC.encode([Stage(2, 0, edge)]))
+    a.progress()
+    assert [(src, n) for _, src, n in copier.pairs] == [(end - 100, 100)]
+    a.close()
+    b.close()
+
+
+def test_a_peer_that_dies_while_we_serve_it_frees_our_slots() -> None:
+    """Bug fixed with the peer table: a peer we only serve (its READ holds our slots, waiting for its
+    FREE) that dies silently was probed, the probe failed, and nothing happened: its slots stayed
+    held for good (the failure only failed transfers of ours, and there were none)."""
+    fabric, (a, b), (layouts, _) = _memory_pair(probe_interval_s=0.05)
+    plan = plan_transfer(layouts[0], list(range(8)), layouts[1], list(range(8)))
+    handle = b.post_read("a", plan, b"")
+    a.progress()  # serves b's STAGEs: gathers, sends READY, holds the slots until b's FREE
+    assert a.pool_stats()["slots_in_use"] >= 1
+    fabric.dead.add("b")
+    deadline = time.monotonic() + 5.0
+    while a.pool_stats()["slots_in_use"] or a.pool_stats()["queued"]:
+        assert time.monotonic() < deadline, f"slots still held for a dead peer: {a.pool_stats()}"
+        a.progress()
+        time.sleep(0.01)
+    with pytest.raises(PeerDisconnectedError):  # and it is gone for us until it connects again
+        a.post_read("b", plan_transfer(layouts[1], [0], layouts[0], [0]), b"")
+    b.release(handle)
+    a.close()
+    b.close()
+
+
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
 def kind(request: Any) -> str:
     return request.param

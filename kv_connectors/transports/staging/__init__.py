@@ -3,7 +3,8 @@
 from kv_connectors.transports.staging.chunks import Chunks, chunk_plan
 from kv_connectors.transports.staging.copier import Copier, CudaCopier, HostCopier, Pair
 from kv_connectors.transports.staging.messages import MSG_MAGIC
-from kv_connectors.transports.staging.transport import StagedTransport, StagedXfer
+from kv_connectors.transports.staging.transport import StagedTransport
+from kv_connectors.transports.staging.xfer import StagedXfer
 
 _MSG_MAGIC = MSG_MAGIC  # the name tests and older code use
 

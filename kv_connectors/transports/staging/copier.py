@@ -6,7 +6,10 @@ import ctypes
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from kv_connectors.errors import TransportError, TransportUnavailableError
+from kv_connectors.transports.base import MemoryKind
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (unified addressing)
 
@@ -90,3 +93,29 @@ class CudaCopier:
 
     def synchronize(self) -> None:
         self._stream.synchronize()
+
+
+class Copies:
+    """The copier in use (given, or chosen by the KV memory's kind at register) and the bytes it moved."""
+
+    def __init__(self, name: str, copier: Copier | None = None) -> None:
+        self._name = name
+        self._copier = copier
+        self.bytes = 0  # bytes copied so far (between the KV cache and the pool, either way)
+
+    def choose(self, kind: MemoryKind, device_id: int) -> None:
+        """Pick the default copier for this KV memory, unless one was given."""
+        if self._copier is None:
+            self._copier = CudaCopier(device_id) if kind is MemoryKind.DEVICE else HostCopier()
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
+        """Copy length[i] bytes src[i] -> dst[i] and wait; errors become TransportError."""
+        assert self._copier is not None
+        try:
+            self._copier.copy(list(zip(dst.tolist(), src.tolist(), length.tolist())))
+            self._copier.synchronize()
+        except TransportError:
+            raise
+        except Exception as e:
+            raise TransportError(f"staging {self._name}: copy failed: {type(e).__name__}: {e}") from e
+        self.bytes += int(length.sum())

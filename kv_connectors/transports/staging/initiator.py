@@ -2,198 +2,310 @@
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import enum
 import logging
+import random
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from kv_connectors.errors import TransportError
-from kv_connectors.transports.base import Transport, XferState
-from kv_connectors.transports.staging.chunks import one_run
+from kv_connectors.errors import PeerDisconnectedError, TransportError
+from kv_connectors.plan import TransferPlan
+from kv_connectors.transports.base import Op, Transport, XferState
+from kv_connectors.transports.intervals import Ranges
+from kv_connectors.transports.staging.chunks import chunk_plan, one_run
+from kv_connectors.transports.staging.copier import Copies
 from kv_connectors.transports.staging.messages import (
     ENC,
+    ERROR_KINDS,
     MSG_MAGIC,
+    Error,
     Free,
-    Msg,
     Ready,
     Scatter,
     Scattered,
     Slot,
     Stage,
     Want,
+    error_kind,
     pack_runs,
     user_bytes,
 )
-
-if TYPE_CHECKING:  # annotations only: transport.py imports this module
-    from kv_connectors.transports.staging.transport import StagedXfer
+from kv_connectors.transports.staging.outbox import Outbox
+from kv_connectors.transports.staging.peers import PeerTable
+from kv_connectors.transports.staging.pool import SlotPool
+from kv_connectors.transports.staging.xfer import Chunk, Drain, Phase, StagedXfer, Transfer, settle
 
 logger = logging.getLogger(__name__)
 
 
-class Phase(enum.Enum):
-    WAIT_READY = "wait_ready"  # READ: STAGE sent, our slot is held
-    READING = "reading"  # READ: inner READ from the peer's slot into ours
-    WAIT_SLOT = "wait_slot"  # WRITE: gathered into our slot, WANT sent
-    WRITING = "writing"  # WRITE: inner WRITE from our slot into the peer's
-    WAIT_SCATTERED = "wait_scattered"  # WRITE: our slot is free, the peer has yet to scatter
-
-
-@dataclasses.dataclass(eq=False)
-class Chunk:
-    index: int
-    slot: int | None  # offset of our slot in the pool; None once freed
-    nbytes: int
-    phase: Phase
-    remote_off: int = -1
-    inner: Any = None  # inner handle while an inner op is in flight
-    scattered: bool = False
-
-
 class Initiator:
-    """Mixin of StagedTransport: moving the chunks of our own transfers and handling the peer's replies.
+    """Our own transfers: each plan cut into chunks that take turns for pool slots; per chunk, a
+    READ stages the runs at the peer (STAGE), reads its slot (READY) into ours, scatters into our KV
+    cache and frees the peer's slot (FREE); a WRITE gathers into our slot, asks for one of the
+    peer's (WANT / SLOT), writes it with the runs to scatter (SCATTER) and waits for SCATTERED.
 
-    It keeps no state of its own; the attributes and helpers below are StagedTransport's.
-    """
+    A failed transfer's inner ops still in flight are polled to their end (at most drain_timeout_s)
+    before their slots are reused; the peer hears of the failure (ERROR) only then, so no late write
+    of ours lands in a reused slot. Fails every transfer with a peer when the peer table reports a
+    failure talking to it."""
 
-    _inner: Transport
-    _peers: dict[str, Any]
-    _pool_base: int
-    _xfers: dict[int, StagedXfer]
-    _waiters: collections.deque[Any]
-    _send: Callable[[str, Msg], None]
-    _flush: Callable[..., None]
-    _copy: Callable[[np.ndarray, np.ndarray, np.ndarray], None]
-    _take: Callable[..., int]
-    _give: Callable[..., None]
-    _grant: Callable[[], None]
-    _fail: Callable[[StagedXfer, TransportError], None]
-    _settle: Callable[[Any], XferState | TransportError]
+    def __init__(
+        self,
+        name: str,
+        inner: Transport,
+        *,
+        pool: SlotPool,
+        copies: Copies,
+        outbox: Outbox,
+        peers: PeerTable,
+        kv: Ranges,
+        max_runs_per_chunk: int,
+        drain_timeout_s: float,
+    ) -> None:
+        self._name = name
+        self._inner = inner
+        self._pool = pool
+        self._copies = copies
+        self._outbox = outbox
+        self._peers = peers
+        self._kv = kv
+        self._max_runs = max_runs_per_chunk
+        self._drain_timeout = drain_timeout_s
+        self._xfers: dict[int, Transfer] = {}  # our unfinished transfers
+        self._aborting: list[Transfer] = []  # failed transfers whose inner ops are still draining
+        self._next_id = random.getrandbits(56)  # random start: a restarted peer does not reuse ids
+        peers.subscribe(on_failure=self.fail_peer)
 
-    def _poll_chunk(self, x: StagedXfer, c: Chunk) -> None:
-        ended = self._settle(c.inner)
+    def busy_peers(self) -> set[str]:
+        """Peers with an unfinished transfer of ours."""
+        return {t.peer for t in self._xfers.values()}
+
+    # Posting and progress ------------------------------------------------------------------------
+    def post(self, op: Op, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer:
+        """Argument errors raise here; engine and peer errors surface in the handle's error."""
+        peer = self._peers.require_live(peer_name)
+        self._kv.check(plan.dst if op is Op.READ else plan.src, plan.length, f"local side of {op}", "KV memory")
+        chunks = chunk_plan(plan, min(self._pool.chunk_bytes, peer.info.chunk_bytes), min(self._max_runs, peer.info.max_runs))
+        self._next_id += 1
+        handle = StagedXfer(peer_name, op, plan.num_runs, plan.total_bytes, chunks.num_chunks, id=self._next_id)
+        if chunks.num_chunks == 0:
+            if notif:
+                self._inner.send_notif(peer_name, user_bytes(notif))
+            handle.state = XferState.DONE
+            return handle
+        t = Transfer(handle, chunks, bytes(notif))
+        self._xfers[t.id] = t
+        self._wait_for_slot(t)
+        logger.debug(
+            "staged %s %s: %d runs, %d bytes, %d chunks", op, peer_name, plan.num_runs, plan.total_bytes, chunks.num_chunks
+        )
+        self._pool.grant()
+        self._outbox.flush()
+        return handle
+
+    def poll(self) -> None:
+        """Poll the inner ops of our chunks, and those of failed transfers still draining."""
+        for t in list(self._xfers.values()):
+            for c in list(t.active.values()):
+                if c.inner is not None and t.handle.error is None:
+                    with self._outbox.unit():
+                        self._poll_chunk(t, c)
+        for t in list(self._aborting):
+            self._drain(t)
+
+    def abort(self, handle: StagedXfer, err: TransportError) -> None:
+        """Fail an unfinished transfer (released by the caller, or the transport closing)."""
+        t = self._xfers.get(handle.id)
+        if t is not None and t.handle is handle:
+            self._fail(t, err)
+
+    def abort_all(self, err: TransportError) -> None:
+        for t in list(self._xfers.values()):
+            self._fail(t, err)
+
+    def fail_peer(self, peer_name: str, err: TransportError) -> None:
+        """Fail every unfinished transfer of ours with that peer."""
+        for t in [t for t in self._xfers.values() if t.peer == peer_name]:
+            self._fail(t, err)
+
+    # Chunks ----------------------------------------------------------------------------------------
+    def _wait_for_slot(self, t: Transfer) -> None:
+        self._pool.wait(t, True, lambda slot: self._start_chunk(t, slot))
+
+    def _start_chunk(self, t: Transfer, slot: int) -> None:
+        with self._outbox.unit():
+            k = t.next
+            t.next += 1
+            if t.next < t.handle.num_chunks:
+                self._wait_for_slot(t)  # back of the queue: transfers take turns
+            c = Chunk(k, slot, t.chunks.nbytes(k), Phase.WAIT_READY)
+            t.active[k] = c
+            sl = t.chunks.pieces(k)
+            try:
+                if t.op is Op.READ:
+                    self._outbox.send(t.peer, Stage(t.id, k, pack_runs(t.chunks.src[sl], t.chunks.length[sl])))
+                else:
+                    self._copies.copy(self._pool.base + slot + t.chunks.slot_off[sl], t.chunks.src[sl], t.chunks.length[sl])
+                    c.phase = Phase.WAIT_SLOT
+                    self._outbox.send(t.peer, Want(t.id, k, c.nbytes))
+            except TransportError as e:
+                self._fail(t, e)
+
+    def _poll_chunk(self, t: Transfer, c: Chunk) -> None:
+        ended = settle(self._inner, c.inner)
         if ended is XferState.IN_PROGRESS:
             return
         c.inner = None
         if isinstance(ended, TransportError):
-            self._fail(x, ended)
+            self._fail(t, ended)
             return
-        self._peers[x.peer_name].last_heard = time.monotonic()
+        self._peers.heard(t.peer)
         try:
             if c.phase is Phase.READING:
-                self._scatter_local(x, c)
+                self._scatter_local(t, c)
             else:
-                self._give(c.slot, own=True)
+                self._pool.give(c.slot, own=True)
                 c.slot = None
                 c.phase = Phase.WAIT_SCATTERED
                 if c.scattered:
-                    self._chunk_done(x, c)
+                    self._chunk_done(t, c)
         except TransportError as e:
-            self._fail(x, e)
-        self._grant()  # the freed slot starts the next chunk now: keeps the peer busy
+            self._fail(t, e)
+        self._pool.grant()  # the freed slot starts the next chunk now: keeps the peer busy
 
-    def _scatter_local(self, x: StagedXfer, c: Chunk) -> None:
+    def _scatter_local(self, t: Transfer, c: Chunk) -> None:
         """READ: the chunk is in our slot; copy it into our KV cache, free both slots."""
-        assert x._chunks is not None and c.slot is not None
-        sl = x._chunks.pieces(c.index)
-        self._copy(x._chunks.dst[sl], self._pool_base + c.slot + x._chunks.slot_off[sl], x._chunks.length[sl])
-        self._give(c.slot, own=True)
+        assert c.slot is not None
+        sl = t.chunks.pieces(c.index)
+        self._copies.copy(t.chunks.dst[sl], self._pool.base + c.slot + t.chunks.slot_off[sl], t.chunks.length[sl])
+        self._pool.give(c.slot, own=True)
         c.slot = None
-        self._send(x.peer_name, Free(x._id, c.index, c.remote_off))
-        self._chunk_done(x, c)
+        self._outbox.send(t.peer, Free(t.id, c.index, c.remote_off))
+        self._chunk_done(t, c)
 
-    def _chunk_done(self, x: StagedXfer, c: Chunk) -> None:
-        if x._active.pop(c.index, None) is None:
+    def _chunk_done(self, t: Transfer, c: Chunk) -> None:
+        if t.active.pop(c.index, None) is None:
             return  # the transfer failed meanwhile (e.g. while flushing messages)
-        x.chunks_done += 1
-        if x.chunks_done < x.num_chunks:
+        h = t.handle
+        h.chunks_done += 1
+        if h.chunks_done < h.num_chunks:
             return
-        if x._notif:  # every chunk is in the destination KV cache: the user's notification follows
-            self._flush(x.peer_name)
+        if t.notif:  # every chunk is in the destination KV cache: the user's notification follows
+            self._outbox.flush(t.peer)
             try:
-                self._inner.send_notif(x.peer_name, user_bytes(x._notif))
+                self._inner.send_notif(t.peer, user_bytes(t.notif))
             except TransportError as e:
-                self._fail(x, e)
+                self._fail(t, e)
                 return
-        x._state = XferState.DONE
-        self._xfers.pop(x._id, None)
-        logger.debug("staged %s %s done: %d bytes in %d chunks", x.op, x.peer_name, x.nbytes, x.num_chunks)
+        h.state = XferState.DONE
+        self._xfers.pop(t.id, None)
+        logger.debug("staged %s %s done: %d bytes in %d chunks", h.op, h.peer_name, h.nbytes, h.num_chunks)
 
-    def _start_chunk(self, x: StagedXfer) -> None:
-        assert x._chunks is not None
-        k = x._next
-        x._next += 1
-        if x._next < x.num_chunks:
-            self._waiters.append(x)  # back of the queue: transfers take turns
-        c = Chunk(k, self._take(own=True), x._chunks.nbytes(k), Phase.WAIT_READY)
-        x._active[k] = c
-        sl = x._chunks.pieces(k)
-        try:
-            if x.op == "READ":
-                self._send(x.peer_name, Stage(x._id, k, pack_runs(x._chunks.src[sl], x._chunks.length[sl])))
-            else:
-                self._copy(self._pool_base + c.slot + x._chunks.slot_off[sl], x._chunks.src[sl], x._chunks.length[sl])
-                c.phase = Phase.WAIT_SLOT
-                self._send(x.peer_name, Want(x._id, k, c.nbytes))
-        except TransportError as e:
-            self._fail(x, e)
-
-    # Message handlers: initiator side ------------------------------------------------------------
-    def _mine(self, peer: str, xfer: int, chunk: int, *phases: Phase) -> tuple[StagedXfer, Chunk] | None:
-        x = self._xfers.get(xfer)
-        c = x._active.get(chunk) if x is not None and x.peer_name == peer else None
-        return (x, c) if x is not None and c is not None and c.phase in phases else None
-
-    def _on_ready(self, peer: str, m: Ready) -> None:
-        found = self._mine(peer, m.xfer, m.chunk, Phase.WAIT_READY)
-        if found is None:
-            self._send(peer, Free(m.xfer, m.chunk, m.offset))  # stale: let the peer free its slot
-            return
-        x, c = found
-        c.remote_off = m.offset
-        self._post_inner(x, c, m.offset, Phase.READING, b"")
-
-    def _on_slot(self, peer: str, m: Slot) -> None:
-        found = self._mine(peer, m.xfer, m.chunk, Phase.WAIT_SLOT)
-        if found is None:
-            self._send(peer, Free(m.xfer, m.chunk, m.offset))
-            return
-        x, c = found
-        assert x._chunks is not None
-        sl = x._chunks.pieces(c.index)
-        scatter = Scatter(x._id, c.index, m.offset, pack_runs(x._chunks.dst[sl], x._chunks.length[sl]))
-        c.remote_off = m.offset
-        self._post_inner(x, c, m.offset, Phase.WRITING, MSG_MAGIC + ENC.encode([scatter]))
-
-    def _post_inner(self, x: StagedXfer, c: Chunk, remote_off: int, phase: Phase, notif: bytes) -> None:
+    def _post_inner(self, t: Transfer, c: Chunk, remote_off: int, phase: Phase, notif: bytes) -> None:
         """Post the pool-to-pool move of one chunk between our slot and the peer's."""
         assert c.slot is not None
-        info = self._peers[x.peer_name].info
-        if not (0 <= remote_off and remote_off + c.nbytes <= info.pool_bytes):
-            self._fail(x, TransportError(f"staging peer {x.peer_name} offered slot {remote_off} outside its pool"))
+        peer = self._peers.get(t.peer)
+        assert peer is not None  # a transfer with a forgotten peer has failed
+        if not (0 <= remote_off and remote_off + c.nbytes <= peer.info.pool_bytes):
+            self._fail(t, TransportError(f"staging peer {t.peer} offered slot {remote_off} outside its pool"))
             return
-        local, remote = self._pool_base + c.slot, info.pool_base + remote_off
+        local, remote = self._pool.base + c.slot, peer.info.pool_base + remote_off
         try:
             if phase is Phase.READING:
-                c.inner = self._inner.post_read(x.peer_name, one_run(remote, local, c.nbytes), notif)
+                c.inner = self._inner.post_read(t.peer, one_run(remote, local, c.nbytes), notif)
             else:
-                c.inner = self._inner.post_write(x.peer_name, one_run(local, remote, c.nbytes), notif)
+                c.inner = self._inner.post_write(t.peer, one_run(local, remote, c.nbytes), notif)
         except TransportError as e:
-            self._fail(x, e)
+            self._fail(t, e)
             return
         c.phase = phase
-        self._poll_chunk(x, c)  # engines that copy inside post are done already: free the slot at once
+        self._poll_chunk(t, c)  # engines that copy inside post are done already: free the slot at once
 
-    def _on_scattered(self, peer: str, m: Scattered) -> None:
+    # Message handlers ------------------------------------------------------------------------------
+    def _mine(self, peer: str, xfer: int, chunk: int, *phases: Phase) -> tuple[Transfer, Chunk] | None:
+        t = self._xfers.get(xfer)
+        c = t.active.get(chunk) if t is not None and t.peer == peer else None
+        return (t, c) if t is not None and c is not None and c.phase in phases else None
+
+    def on_ready(self, peer: str, m: Ready) -> None:
+        found = self._mine(peer, m.xfer, m.chunk, Phase.WAIT_READY)
+        if found is None:
+            self._outbox.send(peer, Free(m.xfer, m.chunk, m.offset))  # stale: let the peer free its slot
+            return
+        t, c = found
+        c.remote_off = m.offset
+        self._post_inner(t, c, m.offset, Phase.READING, b"")
+
+    def on_slot(self, peer: str, m: Slot) -> None:
+        found = self._mine(peer, m.xfer, m.chunk, Phase.WAIT_SLOT)
+        if found is None:
+            self._outbox.send(peer, Free(m.xfer, m.chunk, m.offset))
+            return
+        t, c = found
+        sl = t.chunks.pieces(c.index)
+        scatter = Scatter(t.id, c.index, m.offset, pack_runs(t.chunks.dst[sl], t.chunks.length[sl]))
+        c.remote_off = m.offset
+        self._post_inner(t, c, m.offset, Phase.WRITING, MSG_MAGIC + ENC.encode([scatter]))
+
+    def on_scattered(self, peer: str, m: Scattered) -> None:
         found = self._mine(peer, m.xfer, m.chunk, Phase.WRITING, Phase.WAIT_SCATTERED)
         if found is None:
             return
-        x, c = found
+        t, c = found
         c.scattered = True
         if c.phase is Phase.WAIT_SCATTERED:
-            self._chunk_done(x, c)
+            self._chunk_done(t, c)
+
+    def on_error(self, peer: str, m: Error) -> None:
+        """The peer failed serving one of our transfers (an ERROR with to_initiator set)."""
+        t = self._xfers.get(m.xfer)
+        if t is not None and t.peer == peer:
+            cls = ERROR_KINDS[m.kind] if 0 <= m.kind < len(ERROR_KINDS) else TransportError
+            self._fail(t, cls(f"staged {t.op} with {peer}: the peer reported: {m.reason}"))
+
+    # Failures --------------------------------------------------------------------------------------
+    def _fail(self, t: Transfer, err: TransportError) -> None:
+        """Fail a transfer: free its idle slots now, drain its inner ops, then tell the peer."""
+        h = t.handle
+        if h.state is XferState.DONE or h.error is not None:
+            return
+        h.error = err
+        self._xfers.pop(t.id, None)
+        self._pool.cancel(lambda item: item is t)
+        logger.debug("staged %s with %s failed: %s", h.op, h.peer_name, err)
+        if isinstance(err, PeerDisconnectedError):
+            self._peers.mark_dead(t.peer, err)  # fails the peer's other transfers too
+        deadline = time.monotonic() + self._drain_timeout
+        for c in t.active.values():
+            if c.inner is not None:
+                t.draining.append(Drain(c.inner, c.slot, deadline))
+            elif c.slot is not None:
+                self._pool.give(c.slot, own=True)
+        t.active.clear()
+        self._aborting.append(t)
+        self._drain(t)  # the peer hears of it once no write of ours can land in its slots
+
+    def _drain(self, t: Transfer) -> None:
+        keep = []
+        now = time.monotonic()
+        gone = self._peers.live(t.peer) is None  # nothing more can arrive: released handles are over
+        for d in t.draining:
+            if gone:
+                self._inner.release(d.inner)
+            elif settle(self._inner, d.inner) is XferState.IN_PROGRESS:  # an error ends it too
+                if now <= d.deadline:
+                    keep.append(d)
+                    continue
+                logger.warning(
+                    "staging %s: an aborted %s to %s did not end in %.0f s; reusing its slot",
+                    self._name,
+                    t.op,
+                    t.peer,
+                    self._drain_timeout,
+                )
+                self._inner.release(d.inner)
+            if d.slot is not None:
+                self._pool.give(d.slot, own=True)
+        t.draining = keep
+        if not keep:
+            self._aborting.remove(t)
+            err = t.handle.error or TransportError("aborted")
+            self._outbox.send(t.peer, Error(t.id, False, error_kind(err), str(err)))

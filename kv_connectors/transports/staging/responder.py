@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from kv_connectors.errors import TransportError
+from kv_connectors.transports.base import Op
+from kv_connectors.transports.intervals import Ranges, total_bytes
+from kv_connectors.transports.staging.copier import Copies
 from kv_connectors.transports.staging.messages import (
     Error,
     Free,
-    Msg,
     Ready,
     Scatter,
     Scattered,
@@ -24,117 +23,128 @@ from kv_connectors.transports.staging.messages import (
     error_kind,
     unpack_runs,
 )
+from kv_connectors.transports.staging.outbox import Outbox
+from kv_connectors.transports.staging.peers import PeerTable
+from kv_connectors.transports.staging.pool import SlotPool
+from kv_connectors.transports.staging.xfer import Serve
 
 logger = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass(eq=False)
-class Serve:
-    """A peer's chunk we serve: queued for a slot, then holding one until FREE / SCATTER."""
-
-    peer: str
-    xfer: int
-    chunk: int
-    op: str  # "READ" (we gather, the peer reads) or "WRITE" (the peer writes, we scatter)
-    nbytes: int
-    runs: bytes = b""
-    slot: int = -1
+_ABORTED_MEMORY = 4096  # (peer, transfer) ids remembered as aborted, to drop their late messages
 
 
 class Responder:
-    """Mixin of StagedTransport: the handlers and slot use of chunks a peer asks us to serve.
+    """Chunks peers ask us to serve: a STAGE (their READ) waits for a slot, is gathered into it from
+    our KV cache and answered READY, and holds the slot until FREE; a WANT (their WRITE) waits for a
+    slot, is answered SLOT, and holds it until the SCATTER their write carries has been scattered
+    into our KV cache (SCATTERED). Every run a peer names is checked against our registered KV
+    memory first. Drops everything it holds for a peer the peer table says is gone."""
 
-    It keeps no state of its own; the attributes and helpers below are StagedTransport's.
-    """
+    def __init__(self, name: str, *, pool: SlotPool, copies: Copies, outbox: Outbox, peers: PeerTable, kv: Ranges) -> None:
+        self._name = name
+        self._pool = pool
+        self._copies = copies
+        self._outbox = outbox
+        self._kv = kv
+        self._served: dict[tuple[str, int, int], Serve] = {}  # chunks holding a slot, by (peer, xfer, chunk)
+        self._aborted: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        peers.subscribe(on_gone=self.drop_peer)
 
-    name: str
-    _chunk_bytes: int
-    _pool_base: int
-    _waiters: collections.deque[Any]
-    _served: dict[tuple[str, int, int], Serve]
-    _aborted: collections.OrderedDict[tuple[str, int], None]
-    _send: Callable[[str, Msg], None]
-    _copy: Callable[[np.ndarray, np.ndarray, np.ndarray], None]
-    _check_kv: Callable[[np.ndarray, np.ndarray, str], None]
-    _take: Callable[..., int]
-    _give: Callable[..., None]
-    _grant: Callable[[], None]
+    def busy_peers(self) -> set[str]:
+        """Peers we hold a slot for (waiting on their FREE or SCATTER)."""
+        return {key[0] for key in self._served}
 
-    def _start_serving(self, s: Serve) -> None:
-        s.slot = self._take(own=False)
-        self._served[(s.peer, s.xfer, s.chunk)] = s
-        try:
-            if s.op == "READ":
-                addr, length = unpack_runs(s.runs)
-                self._copy(self._slot_pieces(s, length), addr, length)
-                self._send(s.peer, Ready(s.xfer, s.chunk, s.slot))
-            else:
-                self._send(s.peer, Slot(s.xfer, s.chunk, s.slot))
-        except TransportError as e:
-            self._unserve(s)
-            self._send(s.peer, Error(s.xfer, True, error_kind(e), str(e)))
+    def drop_peer(self, peer: str, err: TransportError | None = None) -> None:
+        """Free every slot held for the peer and forget its queued chunks."""
+        self._drop(peer, None)
 
-    # Message handlers: responder side ------------------------------------------------------------
-    def _on_stage(self, peer: str, m: Stage) -> None:
+    # Message handlers ------------------------------------------------------------------------------
+    def on_stage(self, peer: str, m: Stage) -> None:
         if (peer, m.xfer) in self._aborted:
             return
         try:
             addr, length = unpack_runs(m.runs)
-            self._check_kv(addr, length, f"runs requested by {peer}")
-            nbytes = int(length.sum())
-            if not 0 < nbytes <= self._chunk_bytes:
-                raise TransportError(f"chunk of {nbytes} bytes does not fit a {self._chunk_bytes}-byte slot")
+            self._kv.check(addr, length, f"runs requested by {peer}", "KV memory")
+            nbytes = total_bytes(length)
+            if not 0 < nbytes <= self._pool.chunk_bytes:
+                raise TransportError(f"chunk of {nbytes} bytes does not fit a {self._pool.chunk_bytes}-byte slot")
         except TransportError as e:
-            self._send(peer, Error(m.xfer, True, 0, f"staging {self.name}: {e}"))
+            self._outbox.send(peer, Error(m.xfer, True, 0, f"staging {self._name}: {e}"))
             return
-        self._waiters.append(Serve(peer, m.xfer, m.chunk, "READ", nbytes, m.runs))
+        self._wait_for_slot(Serve(peer, m.xfer, m.chunk, Op.READ, nbytes, m.runs))
 
-    def _on_want(self, peer: str, m: Want) -> None:
+    def on_want(self, peer: str, m: Want) -> None:
         if (peer, m.xfer) in self._aborted:
             return
-        if not 0 < m.nbytes <= self._chunk_bytes:
-            reason = f"staging {self.name}: chunk of {m.nbytes} bytes does not fit a {self._chunk_bytes}-byte slot"
-            self._send(peer, Error(m.xfer, True, 0, reason))
+        if not 0 < m.nbytes <= self._pool.chunk_bytes:
+            reason = f"staging {self._name}: chunk of {m.nbytes} bytes does not fit a {self._pool.chunk_bytes}-byte slot"
+            self._outbox.send(peer, Error(m.xfer, True, 0, reason))
             return
-        self._waiters.append(Serve(peer, m.xfer, m.chunk, "WRITE", m.nbytes))
+        self._wait_for_slot(Serve(peer, m.xfer, m.chunk, Op.WRITE, m.nbytes))
 
-    def _on_free(self, peer: str, m: Free) -> None:
+    def on_free(self, peer: str, m: Free) -> None:
         s = self._served.get((peer, m.xfer, m.chunk))
         if s is not None and s.slot == m.offset:
             self._unserve(s)
-            self._grant()
+            self._pool.grant()
 
-    def _on_scatter(self, peer: str, m: Scatter) -> None:
+    def on_scatter(self, peer: str, m: Scatter) -> None:
         s = self._served.get((peer, m.xfer, m.chunk))
-        if s is None or s.op != "WRITE" or s.slot != m.offset:
-            logger.debug("staging %s: dropped a stale SCATTER from %s", self.name, peer)
+        if s is None or s.op is not Op.WRITE or s.slot != m.offset:
+            logger.debug("staging %s: dropped a stale SCATTER from %s", self._name, peer)
             return
         try:
             addr, length = unpack_runs(m.runs)
-            self._check_kv(addr, length, f"runs written by {peer}")
-            if int(length.sum()) != s.nbytes:
-                raise TransportError(f"SCATTER of {int(length.sum())} bytes into a slot granted for {s.nbytes}")
-            self._copy(addr, self._slot_pieces(s, length), length)
+            self._kv.check(addr, length, f"runs written by {peer}", "KV memory")
+            nbytes = total_bytes(length)
+            if nbytes != s.nbytes:
+                raise TransportError(f"SCATTER of {nbytes} bytes into a slot granted for {s.nbytes}")
+            self._copies.copy(addr, self._slot_pieces(s, length), length)
         except TransportError as e:
             self._unserve(s)
-            self._send(peer, Error(m.xfer, True, error_kind(e), f"staging {self.name}: {e}"))
+            self._outbox.send(peer, Error(m.xfer, True, error_kind(e), f"staging {self._name}: {e}"))
             return
         self._unserve(s)
-        self._send(peer, Scattered(m.xfer, m.chunk))
-        self._grant()
+        self._outbox.send(peer, Scattered(m.xfer, m.chunk))
+        self._pool.grant()
+
+    def on_error(self, peer: str, m: Error) -> None:
+        """The peer aborted one of its transfers (an ERROR without to_initiator): drop what we hold for it."""
+        self._drop(peer, m.xfer)
+        self._aborted[(peer, m.xfer)] = None
+        while len(self._aborted) > _ABORTED_MEMORY:
+            self._aborted.popitem(last=False)
+
+    # Slots -----------------------------------------------------------------------------------------
+    def _wait_for_slot(self, s: Serve) -> None:
+        self._pool.wait(s, False, lambda slot: self._start_serving(s, slot))
+
+    def _start_serving(self, s: Serve, slot: int) -> None:
+        with self._outbox.unit():
+            s.slot = slot
+            self._served[(s.peer, s.xfer, s.chunk)] = s
+            try:
+                if s.op is Op.READ:
+                    addr, length = unpack_runs(s.runs)
+                    self._copies.copy(self._slot_pieces(s, length), addr, length)
+                    self._outbox.send(s.peer, Ready(s.xfer, s.chunk, s.slot))
+                else:
+                    self._outbox.send(s.peer, Slot(s.xfer, s.chunk, s.slot))
+            except TransportError as e:
+                self._unserve(s)
+                self._outbox.send(s.peer, Error(s.xfer, True, error_kind(e), str(e)))
 
     def _slot_pieces(self, s: Serve, length: np.ndarray) -> np.ndarray:
         """Addresses of pieces of these lengths packed from the start of the slot s holds."""
-        return np.cumsum(length) - length + self._pool_base + s.slot
+        pieces: np.ndarray = np.cumsum(length) - length + self._pool.base + s.slot
+        return pieces
 
     def _unserve(self, s: Serve) -> None:
         if self._served.pop((s.peer, s.xfer, s.chunk), None) is not None:
-            self._give(s.slot, own=False)
+            self._pool.give(s.slot, own=False)
 
-    def _drop_served(self, peer: str, xfer: int | None = None) -> None:
+    def _drop(self, peer: str, xfer: int | None) -> None:
         """Free the slots held for a peer's transfer (every transfer if xfer is None), drop its queue."""
         for s in [s for s in self._served.values() if s.peer == peer and xfer in (None, s.xfer)]:
             self._unserve(s)
-        self._waiters = collections.deque(
-            w for w in self._waiters if not (isinstance(w, Serve) and w.peer == peer and xfer in (None, w.xfer))
-        )
+        self._pool.cancel(lambda item: isinstance(item, Serve) and item.peer == peer and xfer in (None, item.xfer))
