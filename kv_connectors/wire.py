@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 
@@ -137,8 +138,18 @@ class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply"):
     lease_renewals: int = 0  # D: P's leases kept alive for requests queued on D
 
 
+class ErrorCode(str, enum.Enum):
+    """Why a side-channel server refused a request (encoded as its value: the strings peers always sent)."""
+
+    INCOMPATIBLE = "incompatible"  # another model, layout, transport or wire version
+    BAD_REQUEST = "bad_request"  # malformed, unexpected or unacceptable request
+    NOT_READY = "not_ready"  # the KV cache is not registered yet
+    UNAUTHENTICATED = "unauthenticated"  # missing or wrong MAC (answered unsealed)
+    INTERNAL = "internal"  # the handler failed (a bug on the server)
+
+
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
-    code: str  # "incompatible" | "bad_request" | "not_ready"
+    code: ErrorCode
     message: str
 
 

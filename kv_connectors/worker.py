@@ -176,7 +176,7 @@ class WorkerEngine:
         if isinstance(body, wire.StatsRequest):
             return self._stats
         if self._server is None or self._transport is None or self._sender is None:
-            return wire.ErrorReply("not_ready", "KV cache not registered yet")
+            return wire.ErrorReply(wire.ErrorCode.NOT_READY, "KV cache not registered yet")
         assert self._layout is not None and self._compat is not None
         if isinstance(body, wire.PushRequest):
             return self._sender.on_push(body)
@@ -185,11 +185,11 @@ class WorkerEngine:
         if isinstance(body, wire.RenewRequest):
             return self._sender.on_renew(body)
         if not isinstance(body, wire.HandshakeRequest):
-            return wire.ErrorReply("bad_request", f"unexpected {type(body).__name__}")
+            return wire.ErrorReply(wire.ErrorCode.BAD_REQUEST, f"unexpected {type(body).__name__}")
         if body.compat.hash() != self._hash:
             diff = self._compat.diff(body.compat, mine="server", theirs="client")
             logger.error("refused incompatible peer %s: %s", body.engine_id, diff)
-            return wire.ErrorReply("incompatible", diff)
+            return wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, diff)
         logger.info("handshake from engine %s rank %d", body.engine_id, body.rank)
         self._sender.on_handshake(body)
         return wire.HandshakeReply(

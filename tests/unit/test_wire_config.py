@@ -219,3 +219,27 @@ def test_bad_params_still_name_where_to_release():
     assert release_address("nope") is None
     with pytest.raises(TransferParamsError, match="1..65535"):
         parse_remote_prefill({**good, "remote_block_ids": [1], "remote_port": 70000})
+
+
+class _OldErrorReply(msgspec.Struct, frozen=True, tag="error"):
+    """ErrorReply as peers before ErrorCode declared it: the code a plain string."""
+
+    code: str
+    message: str
+
+
+def test_error_codes_keep_their_wire_encoding():
+    old_frames = msgspec.msgpack.Decoder(tuple[wire.Header, _OldErrorReply])
+    for code in wire.ErrorCode:
+        # ours, read by an old peer: the same string
+        _header, old = old_frames.decode(wire.encode(wire.ErrorReply(code, "m"), COMPAT.hash()))
+        assert type(old.code) is str and old.code == code.value
+        # an old peer's, read by us: the enum member
+        frame = msgspec.msgpack.encode((wire.Header(wire.WIRE_VERSION, COMPAT.hash(), "error"), _OldErrorReply(code.value, "m")))
+        reply = wire.decode(frame, COMPAT.hash())
+        assert isinstance(reply, wire.ErrorReply) and reply.code is code
+    assert {c.value for c in wire.ErrorCode} == {"incompatible", "bad_request", "not_ready", "unauthenticated", "internal"}
+    # a code we do not know is a malformed answer (a HandshakeError, as any refusal is to the caller)
+    frame = msgspec.msgpack.encode((wire.Header(wire.WIRE_VERSION, COMPAT.hash(), "error"), _OldErrorReply("novel", "m")))
+    with pytest.raises(HandshakeError, match="malformed"):
+        wire.decode(frame, COMPAT.hash())
