@@ -19,11 +19,11 @@ from kv_connectors.config import ConnectorConfig, Staging
 from kv_connectors.errors import KVConnectorError, TransportError
 from kv_connectors.layout import KVLayout
 from kv_connectors.logutil import RateLimitedLog
-from kv_connectors.receiver import RELEASE_PREFIX, Receiver
+from kv_connectors.receiver import Receiver
 from kv_connectors.renewer import Renewer
 from kv_connectors.sender import Sender
 from kv_connectors.specs import StepMetadata
-from kv_connectors.state import RecvTask
+from kv_connectors.state import FailReason, RecvKind, RecvTask
 from kv_connectors.transports.base import MemoryKind, Transport
 from kv_connectors.transports.staging import StagedTransport
 
@@ -225,7 +225,8 @@ class WorkerEngine:
         for rid, spec in meta.reqs_to_recv.items():
             self._receiver.add(
                 RecvTask(
-                    request_id=rid if spec.report else RELEASE_PREFIX + rid,
+                    request_id=rid,
+                    kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
                     peer_key=spec.peer_key,
                     remote_request_id=spec.remote_request_id,
                     local_block_ids=list(spec.local_block_ids),
@@ -236,7 +237,7 @@ class WorkerEngine:
             )
         for rid, reason in meta.reqs_failed.items():
             task = RecvTask(rid, ("", "", 0), "", [], [], now)
-            task.fail(reason)
+            task.fail(FailReason.BAD_PARAMS, reason)
             self._receiver.add(task)
 
     def _progress(self) -> None:
