@@ -74,7 +74,7 @@ class WorkerEngine:
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
         self._renewer: Renewer | None = None
-        self._stats = wire.StatsReply(cfg.engine_id, 0, 0, 0, 0)
+        self._stats = wire.StatsReply(engine_id=cfg.engine_id)
         self._local_metadata = b""
         self._hash = ""  # the compatibility hash, once registered
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results

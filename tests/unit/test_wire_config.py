@@ -29,7 +29,7 @@ def test_round_trip_every_message():
         wire.HandshakeRequest("d-engine", 0, COMPAT),
         wire.HandshakeReply("p", "agent", b"\x00\x01meta", wire.LayoutMsg.from_layout(layout)),
         wire.StatsRequest(),
-        wire.StatsReply("p", 1, 2, 3, 4, recv_bytes=5),
+        wire.StatsReply(engine_id="p", held_requests=1, held_blocks=2, completed_sends=3, expired_leases=4, recv_bytes=5),
         wire.ErrorReply("incompatible", "x"),
         wire.TransferDone("req-1", "d"),
     ]
