@@ -221,6 +221,25 @@ def test_bad_params_still_name_where_to_release():
         parse_remote_prefill({**good, "remote_block_ids": [1], "remote_port": 70000})
 
 
+def test_request_params_parsed_once_into_a_record():
+    from kv_connectors.params import NO_PARAMS, parse_request_params
+
+    assert parse_request_params(None) is NO_PARAMS and parse_request_params({}) is NO_PARAMS
+    assert parse_request_params("nope") is NO_PARAMS
+    d = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r", "remote_host": "h", "remote_port": 9}
+    good = parse_request_params({**d, "remote_block_ids": [1, 2], "remote_num_tokens": 40})
+    assert good.remote_prefill and not good.remote_decode and good.prefill_error is None and good.release is None
+    assert good.prefill is not None and good.prefill.remote_block_ids == (1, 2) and good.prefill.peer_key == ("P", "h", 9)
+    bad = parse_request_params({**d, "remote_block_ids": [1.5]})
+    assert bad.prefill is None and isinstance(bad.prefill_error, TransferParamsError)
+    assert bad.release is not None and bad.release.remote_request_id == "r"
+    p = parse_request_params({"do_remote_decode": True, "transfer_id": "t"})
+    assert p.remote_decode and not p.remote_prefill and p.transfer_id == "t" and p.transfer_id_error is None
+    p = parse_request_params({"do_remote_decode": True, "transfer_id": 7})
+    assert p.transfer_id is None and isinstance(p.transfer_id_error, TransferParamsError)
+    assert not parse_request_params({"do_remote_decode": "yes", "do_remote_prefill": 1}).remote_decode
+
+
 class _OldErrorReply(msgspec.Struct, frozen=True, tag="error"):
     """ErrorReply as peers before ErrorCode declared it: the code a plain string."""
 
