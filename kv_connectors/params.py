@@ -8,8 +8,20 @@ from typing import Any
 
 from kv_connectors.errors import TransferParamsError
 
-_REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-_REQUIRED_TRANSFER_ID = ("transfer_id", "remote_host", "remote_port")
+# The keys of kv_transfer_params (vLLM's, and the transfer id of Mooncake-style proxies): spelled here only.
+DO_REMOTE_PREFILL = "do_remote_prefill"  # D: load the prompt's KV from a producer
+DO_REMOTE_DECODE = "do_remote_decode"  # P: keep the prompt's KV for a consumer
+REMOTE_BLOCK_IDS = "remote_block_ids"
+REMOTE_ENGINE_ID = "remote_engine_id"
+REMOTE_REQUEST_ID = "remote_request_id"
+REMOTE_HOST = "remote_host"
+REMOTE_PORT = "remote_port"
+REMOTE_NUM_TOKENS = "remote_num_tokens"
+TRANSFER_ID = "transfer_id"
+TP_SIZE = "tp_size"
+
+_REQUIRED = (REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST, REMOTE_PORT)
+_REQUIRED_TRANSFER_ID = (TRANSFER_ID, REMOTE_HOST, REMOTE_PORT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +52,11 @@ class RemotePrefill:
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
-    return params is not None and bool(params) and params.get("do_remote_prefill") is True
+    return isinstance(params, Mapping) and params.get(DO_REMOTE_PREFILL) is True
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
-    return params is not None and bool(params) and params.get("do_remote_decode") is True
+    return isinstance(params, Mapping) and params.get(DO_REMOTE_DECODE) is True
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -54,9 +66,9 @@ def _int(name: str, value: Any, minimum: int) -> int:
 
 
 def _port(value: Any) -> int:
-    port = _int("remote_port", value, 1)
+    port = _int(REMOTE_PORT, value, 1)
     if port > 65535:
-        raise TransferParamsError(f"kv_transfer_params['remote_port'] must be a port in 1..65535, got {value!r}")
+        raise TransferParamsError(f"kv_transfer_params[{REMOTE_PORT!r}] must be a port in 1..65535, got {value!r}")
     return port
 
 
@@ -70,27 +82,27 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     """Validate a D request's params; raise TransferParamsError naming the first bad field."""
     if not isinstance(params, Mapping):
         raise TransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-    if params.get("remote_block_ids") is None and params.get("transfer_id") is not None:
+    if params.get(REMOTE_BLOCK_IDS) is None and params.get(TRANSFER_ID) is not None:
         return _parse_transfer_id_form(params)
     missing = [k for k in _REQUIRED if params.get(k) is None]
     if missing:
         raise TransferParamsError(
-            f"kv_transfer_params with do_remote_prefill lacks {', '.join(missing)} "
+            f"kv_transfer_params with {DO_REMOTE_PREFILL} lacks {', '.join(missing)} "
             "(copy the prefill server's kv_transfer_params into the decode request)"
         )
-    ids = params["remote_block_ids"]
+    ids = params[REMOTE_BLOCK_IDS]
     if not isinstance(ids, list) or not ids:
-        raise TransferParamsError(f"kv_transfer_params['remote_block_ids'] must be a non-empty list, got {ids!r}")
-    block_ids = tuple(_int("remote_block_ids[]", b, 0) for b in ids)
-    num_tokens = params.get("remote_num_tokens")
+        raise TransferParamsError(f"kv_transfer_params[{REMOTE_BLOCK_IDS!r}] must be a non-empty list, got {ids!r}")
+    block_ids = tuple(_int(f"{REMOTE_BLOCK_IDS}[]", b, 0) for b in ids)
+    num_tokens = params.get(REMOTE_NUM_TOKENS)
     return RemotePrefill(
         remote_block_ids=block_ids,
-        remote_engine_id=_str("remote_engine_id", params["remote_engine_id"]),
-        remote_request_id=_str("remote_request_id", params["remote_request_id"]),
-        remote_host=_str("remote_host", params["remote_host"]),
-        remote_port=_port(params["remote_port"]),
-        remote_num_tokens=None if num_tokens is None else _int("remote_num_tokens", num_tokens, 1),
-        transfer_id=None if params.get("transfer_id") is None else _str("transfer_id", params["transfer_id"]),
+        remote_engine_id=_str(REMOTE_ENGINE_ID, params[REMOTE_ENGINE_ID]),
+        remote_request_id=_str(REMOTE_REQUEST_ID, params[REMOTE_REQUEST_ID]),
+        remote_host=_str(REMOTE_HOST, params[REMOTE_HOST]),
+        remote_port=_port(params[REMOTE_PORT]),
+        remote_num_tokens=None if num_tokens is None else _int(REMOTE_NUM_TOKENS, num_tokens, 1),
+        transfer_id=None if params.get(TRANSFER_ID) is None else _str(TRANSFER_ID, params[TRANSFER_ID]),
     )
 
 
@@ -98,17 +110,17 @@ def _parse_transfer_id_form(params: Mapping[str, Any]) -> RemotePrefill:
     missing = [k for k in _REQUIRED_TRANSFER_ID if params.get(k) is None]
     if missing:
         raise TransferParamsError(
-            f"kv_transfer_params with do_remote_prefill and transfer_id lacks {', '.join(missing)} "
+            f"kv_transfer_params with {DO_REMOTE_PREFILL} and {TRANSFER_ID} lacks {', '.join(missing)} "
             "(the prefill server's side-channel host and port)"
         )
-    engine = params.get("remote_engine_id")
-    transfer_id = _str("transfer_id", params["transfer_id"])
+    engine = params.get(REMOTE_ENGINE_ID)
+    transfer_id = _str(TRANSFER_ID, params[TRANSFER_ID])
     return RemotePrefill(
         remote_block_ids=(),
-        remote_engine_id="" if engine is None else _str("remote_engine_id", engine),
+        remote_engine_id="" if engine is None else _str(REMOTE_ENGINE_ID, engine),
         remote_request_id=transfer_id,
-        remote_host=_str("remote_host", params["remote_host"]),
-        remote_port=_port(params["remote_port"]),
+        remote_host=_str(REMOTE_HOST, params[REMOTE_HOST]),
+        remote_port=_port(params[REMOTE_PORT]),
         remote_num_tokens=None,
         transfer_id=transfer_id,
     )
@@ -119,14 +131,15 @@ def release_address(params: Any) -> RemotePrefill | None:
     P's side channel and key, if those are usable; None if not (P's lease frees the blocks)."""
     if not isinstance(params, Mapping):
         return None
-    key = params.get("remote_request_id", params.get("transfer_id"))
+    key = params.get(REMOTE_REQUEST_ID, params.get(TRANSFER_ID))
+    engine = params.get(REMOTE_ENGINE_ID)
     try:
         return RemotePrefill(
             remote_block_ids=(),
-            remote_engine_id="" if params.get("remote_engine_id") is None else _str("remote_engine_id", params["remote_engine_id"]),
-            remote_request_id=_str("remote_request_id", key),
-            remote_host=_str("remote_host", params.get("remote_host")),
-            remote_port=_port(params.get("remote_port")),
+            remote_engine_id="" if engine is None else _str(REMOTE_ENGINE_ID, engine),
+            remote_request_id=_str(REMOTE_REQUEST_ID, key),
+            remote_host=_str(REMOTE_HOST, params.get(REMOTE_HOST)),
+            remote_port=_port(params.get(REMOTE_PORT)),
             remote_num_tokens=None,
         )
     except TransferParamsError:
@@ -135,9 +148,50 @@ def release_address(params: Any) -> RemotePrefill | None:
 
 def producer_transfer_id(params: Mapping[str, Any] | None) -> str | None:
     """P side: the transfer id a prefill request was sent with (transfer-id flow), if any."""
-    if not params or params.get("transfer_id") is None:
+    if not params or params.get(TRANSFER_ID) is None:
         return None
-    return _str("transfer_id", params["transfer_id"])
+    return _str(TRANSFER_ID, params[TRANSFER_ID])
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """One request's kv_transfer_params, parsed once (what the scheduler side decides by).
+
+    Bad values never raise here: they are kept as the error, for the scheduler to fail (D) or
+    warn about (P) the request when it looks at it."""
+
+    remote_prefill: bool = False  # D: the request loads its prompt's KV from a producer
+    remote_decode: bool = False  # P: the request's prompt KV is kept for a consumer
+    prefill: RemotePrefill | None = None  # D: where P holds the KV (None when the params are bad)
+    prefill_error: TransferParamsError | None = None  # D: what is wrong with them
+    # D, bad params: P's side channel and key, if still usable, so that P can be told to free its blocks.
+    release: RemotePrefill | None = None
+    transfer_id: str | None = None  # P: the transfer id the request came with (transfer-id flow)
+    transfer_id_error: TransferParamsError | None = None  # P: a transfer id that is not a string
+
+
+NO_PARAMS = RequestParams()  # a request without kv_transfer_params: no transfer either way
+
+
+def parse_request_params(params: Any) -> RequestParams:
+    """Parse a request's kv_transfer_params once; never raises."""
+    if not isinstance(params, Mapping) or not params:
+        return NO_PARAMS
+    prefill = release = None
+    prefill_error = transfer_id_error = None
+    transfer_id = None
+    remote_prefill, remote_decode = wants_remote_prefill(params), wants_remote_decode(params)
+    if remote_prefill:
+        try:
+            prefill = parse_remote_prefill(params)
+        except TransferParamsError as e:
+            prefill_error, release = e, release_address(params)
+    if remote_decode:
+        try:
+            transfer_id = producer_transfer_id(params)
+        except TransferParamsError as e:
+            transfer_id_error = e
+    return RequestParams(remote_prefill, remote_decode, prefill, prefill_error, release, transfer_id, transfer_id_error)
 
 
 def producer_params(
@@ -155,16 +209,16 @@ def producer_params(
     remote_request_id is the key P holds the blocks under: the transfer id when the request
     came with one, so that both flows find them."""
     params = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": list(block_ids),
-        "remote_engine_id": engine_id,
-        "remote_request_id": transfer_id or request_id,
-        "remote_host": host,
-        "remote_port": port,
-        "remote_num_tokens": num_tokens,
-        "tp_size": 1,
+        DO_REMOTE_PREFILL: True,
+        DO_REMOTE_DECODE: False,
+        REMOTE_BLOCK_IDS: list(block_ids),
+        REMOTE_ENGINE_ID: engine_id,
+        REMOTE_REQUEST_ID: transfer_id or request_id,
+        REMOTE_HOST: host,
+        REMOTE_PORT: port,
+        REMOTE_NUM_TOKENS: num_tokens,
+        TP_SIZE: 1,
     }
     if transfer_id is not None:
-        params["transfer_id"] = transfer_id
+        params[TRANSFER_ID] = transfer_id
     return params

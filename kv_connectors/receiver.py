@@ -12,24 +12,14 @@ from kv_connectors.config import ConnectorConfig, TransferMode
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import plan_transfer
-from kv_connectors.state import ClaimResult, RecvPhase, RecvTask
+from kv_connectors.state import ClaimBatch, ClaimResult, FailReason, RecvKind, RecvPhase, RecvTask, TaskKey
 from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
 
 PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, port)
-RELEASE_PREFIX = "release:"  # task ids of releases nobody waits on
 _CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its next step): ask again
 _FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly different rates
-
-
-@dataclasses.dataclass
-class _ClaimBatch:
-    """One ClaimRequest to a producer for every read that was ready to claim in one progress call."""
-
-    future: concurrent.futures.Future[wire.Body]
-    sent_at: float  # before the request left: at or before P's receipt, so the fence errs early
-    index: dict[str, int]  # task id -> item index
 
 
 @dataclasses.dataclass
@@ -80,7 +70,7 @@ class Receiver:
         self._compat = compat
         self._hash = compat.hash()
         self._peers: dict[PeerKey, _Peer] = {}
-        self._tasks: dict[str, RecvTask] = {}
+        self._tasks: dict[TaskKey, RecvTask] = {}
         self._to_claim: dict[PeerKey, list[RecvTask]] = {}
         self.totals = RecvTotals()
         self.claims_refused = 0
@@ -92,7 +82,7 @@ class Receiver:
 
     # intake -----------------------------------------------------------------------------------
     def add(self, task: RecvTask) -> None:
-        self._tasks[task.request_id] = task
+        self._tasks[task.key] = task
         if task.phase is RecvPhase.HANDSHAKE:
             self._ensure_peer(task.peer_key)
 
@@ -121,7 +111,7 @@ class Receiver:
                 self._advance(task, now)
             except Exception as e:  # boundary: a bug or a peer's bad bytes fail this request, never the step
                 logger.exception("request %s: unexpected error", task.request_id)
-                self._fail_transfer(task, KVConnectorError(f"internal error: {type(e).__name__}: {e}"))
+                self._fail_transfer(task, FailReason.INTERNAL, KVConnectorError(f"internal error: {type(e).__name__}: {e}"))
         self._send_claims()
 
     def _advance(self, task: RecvTask, now: float) -> None:
@@ -138,14 +128,14 @@ class Receiver:
         """P's notification that it wrote (or failed to write) a push request's blocks.
 
         False if the notice is not for one of our receive tasks (then it is for our sender)."""
-        task = self._tasks.get(request_id)
+        task = self._tasks.get((RecvKind.LOAD, request_id))
         if task is None or task.phase not in (RecvPhase.REQUESTED, RecvPhase.TRANSFER):
             return False
-        if isinstance(task.handle, concurrent.futures.Future):
-            task.handle.cancel()  # the ack may still be in flight; the notice settles it
-            task.handle = None
+        if task.ack is not None:
+            task.ack.cancel()  # the ack may still be in flight; the notice settles it
+            task.ack = None
         if error:
-            task.fail(f"producer could not write the blocks: {error}")
+            task.fail(FailReason.PRODUCER_WRITE, f"producer could not write the blocks: {error}")
         else:
             task.num_descriptors = runs
             self._complete(task)
@@ -172,10 +162,10 @@ class Receiver:
     def _advance_handshake(self, task: RecvTask, now: float) -> None:
         peer = self._peers[task.peer_key]
         if peer.error is not None:
-            task.fail(f"handshake with producer failed: {peer.error}")
+            task.fail(FailReason.HANDSHAKE, f"handshake with producer failed: {peer.error}")
         elif peer.layout is None:
             if now > task.deadline:
-                task.fail("handshake with producer timed out")
+                task.fail(FailReason.HANDSHAKE, "handshake with producer timed out")
         elif self._cfg.mode is TransferMode.PUSH or not task.local_block_ids or not task.remote_block_ids:
             self._request_push(task)  # P's blocks unknown (transfer-id flow): only P can move them
         else:
@@ -190,34 +180,34 @@ class Receiver:
             consumer_request_id=task.request_id,
             block_ids=list(task.local_block_ids),
         )
-        task.handle = self._submit(task.peer_key, request)
+        task.ack = self._submit(task.peer_key, request)
         task.phase = RecvPhase.REQUESTED
         task.started = self._clock()
         # Set now: P's notification may complete the task before its acknowledgement is seen.
         task.num_bytes = len(task.local_block_ids) * self._layout.block_bytes
 
     def _advance_request(self, task: RecvTask, now: float) -> None:
-        future = task.handle
+        future = task.ack
         if future is None:
             return
         if not future.done():
             if now > task.deadline:  # the request has its own deadline; this one bounds a stuck client too
                 future.cancel()
-                task.handle = None
-                task.fail("the producer did not answer the push request in time")
+                task.ack = None
+                task.fail(FailReason.PUSH_REQUEST, "the producer did not answer the push request in time")
             return
-        task.handle = None
+        task.ack = None
         try:
             ack = future.result()
             if not isinstance(ack, wire.PushAck) or not ack.accepted:
                 raise KVConnectorError(f"producer refused: {getattr(ack, 'message', ack)!r}")
         except Exception as e:
-            task.fail(f"push request failed: {e}")
+            task.fail(FailReason.PUSH_REQUEST, f"push request failed: {e}", e)
             return
         if not task.local_block_ids:
             task.phase = RecvPhase.DONE
             return
-        task.phase = RecvPhase.TRANSFER  # handle None: waiting for P's notification
+        task.phase = RecvPhase.TRANSFER  # no transfer handle: waiting for P's notification
         task.deadline = now + self._cfg.transfer_timeout_s
 
     def _post_read(self, task: RecvTask, peer: _Peer) -> None:
@@ -229,9 +219,9 @@ class Receiver:
         started = self._clock()  # engines may copy inside the post call (NIXL over cma does)
         try:
             plan = plan_transfer(peer.layout, task.remote_block_ids, self._layout, task.local_block_ids)
-            task.handle = self._transport.post_read(peer.agent_name, plan, b"")
+            task.xfer = self._transport.post_read(peer.agent_name, plan, b"")
         except KVConnectorError as e:
-            self._fail_transfer(task, e)
+            self._fail_transfer(task, FailReason.TRANSFER, e)
             return
         task.phase = RecvPhase.TRANSFER
         task.fenced = True
@@ -253,14 +243,14 @@ class Receiver:
                 epoch=self._peers[key].epoch,
             )
             sent_at = self._clock()
-            batch = _ClaimBatch(self._submit(key, request), sent_at, {t.request_id: i for i, t in enumerate(tasks)})
+            batch = ClaimBatch(self._submit(key, request), sent_at, {t.key: i for i, t in enumerate(tasks)})
             for t in tasks:
                 t.claim = batch
         self._to_claim.clear()
 
     def _advance_read(self, task: RecvTask, now: float) -> None:
         """Pull: the read counts once it is complete and P granted the claim before it could lapse."""
-        if task.handle is not None:
+        if task.xfer is not None:
             done = self._poll(task)
             if done is None:
                 return
@@ -272,7 +262,9 @@ class Receiver:
         if task.read_done_at is not None and task.fence_deadline is not None:
             if task.read_done_at > task.fence_deadline:
                 self._fail_transfer(
-                    task, KVConnectorError("the read completed after the producer's hold on its blocks may have ended")
+                    task,
+                    FailReason.FENCE,
+                    KVConnectorError("the read completed after the producer's hold on its blocks may have ended"),
                 )
                 return
             self._notify_quietly(self._peers[task.peer_key].agent_name, task.remote_request_id)
@@ -280,7 +272,7 @@ class Receiver:
             return
         limit = task.deadline if task.fence_deadline is None else min(task.deadline, task.fence_deadline)
         if now > limit:
-            self._fail_transfer(task, KVConnectorError(f"transfer timed out after {now - task.started:.1f} s"))
+            self._fail_transfer(task, FailReason.TIMEOUT, KVConnectorError(f"transfer timed out after {now - task.started:.1f} s"))
 
     def _advance_claim(self, task: RecvTask, now: float) -> None:
         if task.fence_deadline is not None:
@@ -298,10 +290,10 @@ class Receiver:
             reply = batch.future.result()
             if not isinstance(reply, wire.ClaimReply):
                 raise KVConnectorError(f"unexpected answer {type(reply).__name__}")
-            i = batch.index[task.request_id]
+            i = batch.index[task.key]
             result, reason = ClaimResult(reply.results[i]), reply.reasons[i]
         except Exception as e:  # boundary: a failed claim fails this request, never the step
-            self._fail_transfer(task, KVConnectorError(f"could not claim the producer's lease: {e}"))
+            self._fail_transfer(task, FailReason.FENCE, KVConnectorError(f"could not claim the producer's lease: {e}"))
             return
         if result is ClaimResult.GRANTED:
             task.fence_deadline = batch.sent_at + reply.hold_s * _FENCE_MARGIN
@@ -320,31 +312,37 @@ class Receiver:
                     f"(unknown after {self._cfg.handshake_timeout_s:g} s)"
                 )
             )
-            self._fail_transfer(task, KVConnectorError(f"refused a stale read: {why}; its blocks may hold another prompt's KV now"))
+            self._fail_transfer(
+                task,
+                FailReason.FENCE,
+                KVConnectorError(f"refused a stale read: {why}; its blocks may hold another prompt's KV now"),
+            )
 
     def _advance_transfer(self, task: RecvTask, now: float) -> None:
-        if task.handle is None:  # push: waiting for P's notification
+        if task.xfer is None:  # push: waiting for P's notification
             if now > task.deadline:
-                task.fail(f"producer did not write the blocks within {self._cfg.transfer_timeout_s:g} s")
+                task.fail(FailReason.TIMEOUT, f"producer did not write the blocks within {self._cfg.transfer_timeout_s:g} s")
             return
         done = self._poll(task)
         if done:
             self._complete(task)
         elif done is False and now > task.deadline:
-            self._fail_transfer(task, KVConnectorError(f"transfer timed out after {self._cfg.transfer_timeout_s:g} s"))
+            self._fail_transfer(
+                task, FailReason.TIMEOUT, KVConnectorError(f"transfer timed out after {self._cfg.transfer_timeout_s:g} s")
+            )
 
     def _poll(self, task: RecvTask) -> bool | None:
         """The posted transfer: True once done (handle released), False while in flight, None if it
         failed (then the task has failed)."""
         try:
-            state = self._transport.poll(task.handle)
+            state = self._transport.poll(task.xfer)
         except KVConnectorError as e:
-            self._fail_transfer(task, e)
+            self._fail_transfer(task, FailReason.TRANSFER, e)
             return None
         if state is not XferState.DONE:
             return False
-        self._transport.release(task.handle)
-        task.handle = None
+        self._transport.release(task.xfer)
+        task.xfer = None
         return True
 
     def _complete(self, task: RecvTask) -> None:
@@ -360,19 +358,20 @@ class Receiver:
             t.durations.append(elapsed)
         logger.debug("request %s: %d bytes in %.6f s", task.request_id, task.num_bytes, elapsed)
 
-    def _fail_transfer(self, task: RecvTask, error: Exception) -> None:
-        if isinstance(task.handle, concurrent.futures.Future):
-            task.handle.cancel()
-        elif task.handle is not None:
-            self._transport.release(task.handle)
-        task.handle = None
+    def _fail_transfer(self, task: RecvTask, reason: FailReason, error: Exception) -> None:
+        if task.ack is not None:
+            task.ack.cancel()
+            task.ack = None
+        if task.xfer is not None:
+            self._transport.release(task.xfer)
+            task.xfer = None
         task.claim = None
         peer = self._peers.get(task.peer_key)
         if isinstance(error, PeerDisconnectedError) and peer is not None:
             peer.error = str(error)  # the next request handshakes again
         elif peer is not None and peer.agent_name:
             self._notify_quietly(peer.agent_name, task.remote_request_id)
-        task.fail(f"KV transfer failed: {error}")
+        task.fail(reason, f"KV transfer failed: {error}", error)
 
     def _notify_quietly(self, agent_name: str, remote_request_id: str) -> None:
         """Tell P to free its blocks after a failed read; P's lease covers a lost notice."""
@@ -387,13 +386,14 @@ class Receiver:
         """(finished, failed) request ids since the last call; releases are not reported."""
         finished: set[str] = set()
         failed: set[str] = set()
-        for rid in [rid for rid, t in self._tasks.items() if t.phase in (RecvPhase.DONE, RecvPhase.FAILED)]:
-            task = self._tasks.pop(rid)
-            if rid.startswith(RELEASE_PREFIX):  # best effort, no load: P's lease frees what it still holds
+        for key in [key for key, t in self._tasks.items() if t.phase in (RecvPhase.DONE, RecvPhase.FAILED)]:
+            task = self._tasks.pop(key)
+            rid = task.request_id
+            if task.kind is RecvKind.RELEASE:  # best effort, no load: P's lease frees what it still holds
                 if task.phase is RecvPhase.FAILED:
                     logger.warning(
                         "request %s: could not tell the producer to free its blocks (%s); its lease frees them",
-                        rid[len(RELEASE_PREFIX) :],
+                        rid,
                         task.error,
                     )
                 continue
@@ -407,7 +407,7 @@ class Receiver:
 
     def close(self) -> None:
         for task in self._tasks.values():
-            if task.handle is not None and not isinstance(task.handle, concurrent.futures.Future):
-                self._transport.release(task.handle)
+            if task.xfer is not None:
+                self._transport.release(task.xfer)
         self._tasks.clear()
         self._client.close()

@@ -49,14 +49,14 @@ def answer(data: bytes, compat_hash: str, handler: Handler, secret: bytes | None
         reply = handler(body)
     except UnauthenticatedPeerError as e:
         _limited.warning("auth", "side channel: refused a message: %s", e)
-        return wire.encode(wire.ErrorReply("unauthenticated", str(e)), compat_hash)
+        return wire.encode(wire.ErrorReply(wire.ErrorCode.UNAUTHENTICATED, str(e)), compat_hash)
     except IncompatiblePeerError as e:
-        reply = wire.ErrorReply("incompatible", str(e))
+        reply = wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, str(e))
     except KVConnectorError as e:
-        reply = wire.ErrorReply("bad_request", str(e))
+        reply = wire.ErrorReply(wire.ErrorCode.BAD_REQUEST, str(e))
     except Exception as e:  # a bug must not kill the listener thread (vLLM's built-in hangs then)
         _limited.exception("handler", "side channel handler failed")
-        reply = wire.ErrorReply("internal", f"{type(e).__name__}: {e}")
+        reply = wire.ErrorReply(wire.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
     return wire.seal(wire.encode(reply, compat_hash), secret)
 
 
@@ -222,9 +222,9 @@ def reply_of(data: bytes, body: wire.Body, compat_hash: str, secret: bytes | Non
     """The answer to `body`, checked; ErrorReply answers become typed errors."""
     reply = _decode_reply(data, body, compat_hash, secret, address)
     if isinstance(reply, wire.ErrorReply):
-        if reply.code == "incompatible":
+        if reply.code is wire.ErrorCode.INCOMPATIBLE:
             raise IncompatiblePeerError(f"incompatible peer (server) at {address}: {reply.message}")
-        if reply.code == "unauthenticated":
+        if reply.code is wire.ErrorCode.UNAUTHENTICATED:
             raise UnauthenticatedPeerError(f"peer at {address} refused our message: {reply.message}")
         raise HandshakeError(f"peer at {address} refused: {reply.message}")
     return reply
@@ -238,7 +238,7 @@ def _decode_reply(data: bytes, body: wire.Body, compat_hash: str, secret: bytes 
     except UnauthenticatedPeerError:
         if not data.startswith(wire.MAC_MAGIC):
             refusal = wire.decode(data, expected_hash=None)
-            if isinstance(refusal, wire.ErrorReply) and refusal.code == "unauthenticated":
+            if isinstance(refusal, wire.ErrorReply) and refusal.code is wire.ErrorCode.UNAUTHENTICATED:
                 raise UnauthenticatedPeerError(f"peer at {address} refused our message: {refusal.message}") from None
         elif isinstance(body, wire.StatsRequest):  # counters from a server with a secret: monitoring
             return wire.decode(data[len(wire.MAC_MAGIC) + wire.MAC_LEN :], expected_hash=None)

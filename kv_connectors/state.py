@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kv_connectors.wire import Body
 
 # How long a D notification may precede the P worker learning of the request (seconds).
 _EARLY_NOTICE_TTL_S = 600.0
@@ -185,9 +189,55 @@ class RecvPhase(enum.Enum):
     FAILED = "failed"
 
 
+class RecvKind(enum.Enum):
+    """What a D-side task is for."""
+
+    LOAD = "load"  # vLLM waits for it: reported finished (and failed) to vLLM
+    # Only tells P to free its blocks (request aborted before it was scheduled, or every block was
+    # a local prefix hit): best effort, never reported; P's lease frees what a lost release leaves.
+    RELEASE = "release"
+
+
+class FailReason(enum.Enum):
+    """Why a D-side task failed."""
+
+    BAD_PARAMS = "bad_params"  # the scheduler side refused the request's kv_transfer_params
+    HANDSHAKE = "handshake"  # the producer's side channel refused, failed or did not answer the handshake
+    PUSH_REQUEST = "push_request"  # the producer refused or did not answer the push request
+    PRODUCER_WRITE = "producer_write"  # the producer reported that its write into our blocks failed
+    TRANSFER = "transfer"  # the transport could not post or complete the read
+    TIMEOUT = "timeout"  # the read, or the producer's write, did not complete in time
+    FENCE = "fence"  # the claim on P's lease was refused or failed, or the read outlived P's hold
+    INTERNAL = "internal"  # a bug (or a peer's bytes nothing anticipated) while advancing the task
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvFailure:
+    """A failed task: the typed reason, and what is logged for it."""
+
+    reason: FailReason
+    message: str
+    cause: BaseException | None = None  # the error behind it, where there was one
+
+    def __str__(self) -> str:
+        return self.message
+
+
+TaskKey = tuple[RecvKind, str]  # a load and a release of the same request may coexist
+
+
+@dataclasses.dataclass
+class ClaimBatch:
+    """One ClaimRequest to a producer for every read that was ready to claim in one progress call."""
+
+    future: concurrent.futures.Future[Body]
+    sent_at: float  # before the request left: at or before P's receipt, so the fence errs early
+    index: dict[TaskKey, int]  # task key -> item index
+
+
 @dataclasses.dataclass
 class RecvTask:
-    """One request's load of remote blocks into local blocks, with a deadline for each phase."""
+    """One request's load of remote blocks into local blocks (or release of P's), with a deadline for each phase."""
 
     request_id: str
     peer_key: tuple[str, str, int]  # (engine id, host, port)
@@ -196,20 +246,26 @@ class RecvTask:
     remote_block_ids: list[int]
     deadline: float
     phase: RecvPhase = RecvPhase.HANDSHAKE
-    handle: Any = None
-    error: str | None = None
+    kind: RecvKind = RecvKind.LOAD
+    ack: concurrent.futures.Future[Body] | None = None  # the push request in flight (P's answer)
+    xfer: object | None = None  # the transport's handle of the posted read (pull) or transfer
+    error: RecvFailure | None = None
     started: float = 0.0
     num_bytes: int = 0
     num_descriptors: int = 0
     # Pull only: the fence. The read counts only if P granted a claim on its lease (claim) and the
     # read completed (read_done_at) before that claim could lapse at P (fence_deadline).
     fenced: bool = False
-    claim: Any = None  # the claim request in flight (Receiver's batch), None when none is
+    claim: ClaimBatch | None = None  # the claim request in flight, None when none is
     claim_deadline: float = 0.0  # give up claiming (P never learnt of the lease) after this
     claim_retry_at: float = 0.0
     fence_deadline: float | None = None  # set once granted
     read_done_at: float | None = None
 
-    def fail(self, error: str) -> None:
+    @property
+    def key(self) -> TaskKey:
+        return (self.kind, self.request_id)
+
+    def fail(self, reason: FailReason, message: str, cause: BaseException | None = None) -> None:
         self.phase = RecvPhase.FAILED
-        self.error = error
+        self.error = RecvFailure(reason, message, cause)

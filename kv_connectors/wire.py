@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 
 import msgspec
 
+from kv_connectors.counters import Counters
 from kv_connectors.errors import HandshakeError, IncompatiblePeerError, UnauthenticatedPeerError
 from kv_connectors.layout import KVLayout, Region
 
@@ -113,32 +115,24 @@ class StatsRequest(msgspec.Struct, frozen=True, tag="stats"):
     pass
 
 
-class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply"):
+class StatsReply(Counters, frozen=True, tag="stats_reply", kw_only=True):
+    """The engine's counters (fields: `counters.Counters`, one definition) and whose they are."""
+
     engine_id: str
-    held_requests: int
-    held_blocks: int
-    completed_sends: int
-    expired_leases: int
-    recv_transfers: int = 0
-    recv_failures: int = 0
-    recv_bytes: int = 0
-    recv_blocks: int = 0
-    recv_descriptors: int = 0
-    recv_seconds: float = 0.0
-    pushes: int = 0
-    push_failures: int = 0
-    layerwise_pushes: int = 0  # pushes written layer by layer during P's forward pass
-    staging_pool_bytes: int = 0  # configured bound (0: no staging)
-    staging_peak_bytes: int = 0  # most pool bytes ever in use at once
-    staging_allocated_bytes: int = 0  # what the pool actually allocated
-    claims_granted: int = 0  # P: reads of its blocks it confirmed under a live lease
-    claims_refused: int = 0  # P: reads it refused (lease expired or released, or foreign blocks)
-    stale_reads_refused: int = 0  # D: loads failed because P refused the claim (never served stale)
-    lease_renewals: int = 0  # D: P's leases kept alive for requests queued on D
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a side-channel server refused a request (encoded as its value: the strings peers always sent)."""
+
+    INCOMPATIBLE = "incompatible"  # another model, layout, transport or wire version
+    BAD_REQUEST = "bad_request"  # malformed, unexpected or unacceptable request
+    NOT_READY = "not_ready"  # the KV cache is not registered yet
+    UNAUTHENTICATED = "unauthenticated"  # missing or wrong MAC (answered unsealed)
+    INTERNAL = "internal"  # the handler failed (a bug on the server)
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
-    code: str  # "incompatible" | "bad_request" | "not_ready"
+    code: ErrorCode
     message: str
 
 

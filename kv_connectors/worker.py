@@ -19,11 +19,11 @@ from kv_connectors.config import ConnectorConfig, Staging
 from kv_connectors.errors import KVConnectorError, TransportError
 from kv_connectors.layout import KVLayout
 from kv_connectors.logutil import RateLimitedLog
-from kv_connectors.receiver import RELEASE_PREFIX, Receiver
+from kv_connectors.receiver import Receiver
 from kv_connectors.renewer import Renewer
 from kv_connectors.sender import Sender
 from kv_connectors.specs import StepMetadata
-from kv_connectors.state import RecvTask
+from kv_connectors.state import FailReason, RecvKind, RecvTask
 from kv_connectors.transports.base import MemoryKind, Transport
 from kv_connectors.transports.staging import StagedTransport
 
@@ -74,7 +74,7 @@ class WorkerEngine:
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
         self._renewer: Renewer | None = None
-        self._stats = wire.StatsReply(cfg.engine_id, 0, 0, 0, 0)
+        self._stats = wire.StatsReply(engine_id=cfg.engine_id)
         self._local_metadata = b""
         self._hash = ""  # the compatibility hash, once registered
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
@@ -176,7 +176,7 @@ class WorkerEngine:
         if isinstance(body, wire.StatsRequest):
             return self._stats
         if self._server is None or self._transport is None or self._sender is None:
-            return wire.ErrorReply("not_ready", "KV cache not registered yet")
+            return wire.ErrorReply(wire.ErrorCode.NOT_READY, "KV cache not registered yet")
         assert self._layout is not None and self._compat is not None
         if isinstance(body, wire.PushRequest):
             return self._sender.on_push(body)
@@ -185,11 +185,11 @@ class WorkerEngine:
         if isinstance(body, wire.RenewRequest):
             return self._sender.on_renew(body)
         if not isinstance(body, wire.HandshakeRequest):
-            return wire.ErrorReply("bad_request", f"unexpected {type(body).__name__}")
+            return wire.ErrorReply(wire.ErrorCode.BAD_REQUEST, f"unexpected {type(body).__name__}")
         if body.compat.hash() != self._hash:
             diff = self._compat.diff(body.compat, mine="server", theirs="client")
             logger.error("refused incompatible peer %s: %s", body.engine_id, diff)
-            return wire.ErrorReply("incompatible", diff)
+            return wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, diff)
         logger.info("handshake from engine %s rank %d", body.engine_id, body.rank)
         self._sender.on_handshake(body)
         return wire.HandshakeReply(
@@ -225,7 +225,8 @@ class WorkerEngine:
         for rid, spec in meta.reqs_to_recv.items():
             self._receiver.add(
                 RecvTask(
-                    request_id=rid if spec.report else RELEASE_PREFIX + rid,
+                    request_id=rid,
+                    kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
                     peer_key=spec.peer_key,
                     remote_request_id=spec.remote_request_id,
                     local_block_ids=list(spec.local_block_ids),
@@ -236,7 +237,7 @@ class WorkerEngine:
             )
         for rid, reason in meta.reqs_failed.items():
             task = RecvTask(rid, ("", "", 0), "", [], [], now)
-            task.fail(reason)
+            task.fail(FailReason.BAD_PARAMS, reason)
             self._receiver.add(task)
 
     def _progress(self) -> None:

@@ -11,13 +11,12 @@ from typing import Any
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import TransferParamsError
 from kv_connectors.params import (
+    NO_PARAMS,
+    REMOTE_BLOCK_IDS,
     RemotePrefill,
-    parse_remote_prefill,
+    RequestParams,
+    parse_request_params,
     producer_params,
-    producer_transfer_id,
-    release_address,
-    wants_remote_decode,
-    wants_remote_prefill,
 )
 from kv_connectors.plan import blocks_for_tokens
 from kv_connectors.vllm.compat import FINISHED_NORMALLY, unhashed_block_ids
@@ -42,6 +41,8 @@ class SchedulerSide:
         self._clock = clock
         self._block_size = block_size
         self._port = rank_port
+        # Each request's kv_transfer_params, parsed once (when first seen), until it finishes.
+        self._params: dict[str, RequestParams] = {}
         # Parsed params (or the reason they are bad) of requests that asked for a remote prefill.
         self._pending: dict[str, _Parsed] = {}
         self._consumed: set[str] = set()  # loaded once: never load again (e.g. after preemption)
@@ -54,15 +55,24 @@ class SchedulerSide:
         self._renewing: set[str] = set()
         self._meta = ConnectorMetadata()
 
+    def _params_of(self, request: Any) -> RequestParams:
+        """The request's kv_transfer_params, parsed the first time it is seen."""
+        rid = request.request_id
+        parsed = self._params.get(rid)
+        if parsed is None:
+            parsed = parse_request_params(request.kv_transfer_params)
+            if parsed is NO_PARAMS:
+                return parsed  # nothing to keep for a request without params
+            self._params[rid] = parsed
+            if parsed.transfer_id_error is not None:
+                logger.warning("request %s: %s; its decode side cannot find its KV", rid, parsed.transfer_id_error)
+        return parsed
+
     def on_new_request(self, request: Any) -> None:
         """D: a request arrived; while it waits in D's queue, P's lease must not run out."""
-        params = request.kv_transfer_params
-        if not wants_remote_prefill(params):
-            return
-        try:
-            rp = parse_remote_prefill(params)
-        except TransferParamsError:
-            return  # failed (and P told) when the scheduler looks at it
+        rp = self._params_of(request).prefill
+        if rp is None:
+            return  # no remote prefill; or bad params: failed (and P told) when the scheduler looks at it
         self._queued[request.request_id] = (self._clock(), rp.peer_key, rp.remote_request_id)
 
     def _left_queue(self, rid: str) -> None:
@@ -83,34 +93,24 @@ class SchedulerSide:
     # D side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
-        params = request.kv_transfer_params
-        if wants_remote_decode(params) and rid not in self._transfer_ids:
-            self._note_transfer_id(rid, params)
-        if rid in self._consumed or not wants_remote_prefill(params):
+        params = self._params_of(request)
+        if params.transfer_id is not None:
+            self._transfer_ids[rid] = params.transfer_id
+        if rid in self._consumed or not params.remote_prefill:
             return 0, False
         if rid not in self._pending:
-            self._pending[rid] = self._parse(request, params)
+            self._pending[rid] = self._check(request, params)
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         # A bad request still goes the asynchronous way so that the worker can fail it cleanly.
         return (count, True) if count > 0 else (0, False)
 
-    def _note_transfer_id(self, rid: str, params: Any) -> None:
-        try:
-            transfer_id = producer_transfer_id(params)
-        except TransferParamsError as e:
-            logger.warning("request %s: %s; its decode side cannot find its KV", rid, e)
-            return
-        if transfer_id is not None:
-            self._transfer_ids[rid] = transfer_id
-
-    def _parse(self, request: Any, params: Any) -> _Parsed:
+    def _check(self, request: Any, params: RequestParams) -> _Parsed:
         """Params checked against the request; a bad request keeps P's address when it is usable,
         so that P can still be told to free its blocks."""
-        try:
-            rp = parse_remote_prefill(params)
-        except TransferParamsError as e:
-            logger.debug("request %s: %s", request.request_id, e)
-            return _Parsed(release_address(params), e)  # P can still be told to free its blocks
+        rp = params.prefill
+        if rp is None:
+            logger.debug("request %s: %s", request.request_id, params.prefill_error)
+            return _Parsed(params.release, params.prefill_error)  # P can still be told to free its blocks
         num_prompt = len(request.prompt_token_ids or ())
         needed = blocks_for_tokens(num_prompt, self._block_size)
         error = None
@@ -122,7 +122,7 @@ class SchedulerSide:
                 "the decode request must carry the same prompt as the prefill request"
             )
         elif len(rp.remote_block_ids) != needed:
-            error = TransferParamsError(f"remote_block_ids has {len(rp.remote_block_ids)} blocks, the prompt fills {needed}")
+            error = TransferParamsError(f"{REMOTE_BLOCK_IDS} has {len(rp.remote_block_ids)} blocks, the prompt fills {needed}")
         if error is not None:
             logger.debug("request %s: %s", request.request_id, error)
         return _Parsed(rp, error)
@@ -188,16 +188,16 @@ class SchedulerSide:
         transfer_id = self._transfer_ids.pop(rid, None)
         layerwise = rid in self._layerwise
         self._layerwise.discard(rid)
-        params = request.kv_transfer_params
+        params = self._params.pop(rid, None) or parse_request_params(request.kv_transfer_params)
         parsed = self._pending.pop(rid, None)
-        if parsed is None and not consumed and wants_remote_prefill(params):
+        if parsed is None and not consumed and params.remote_prefill:
             # Aborted while still waiting: the scheduler never looked at it (e.g. behind max_num_seqs).
-            parsed = self._parse(request, params)
+            parsed = self._check(request, params)
         if parsed is not None and parsed.remote is not None:
             # D request finished before it was scheduled (abort): P must not hold its blocks.
             self._release(rid, parsed.remote)
             return False, None
-        if not wants_remote_decode(params):
+        if not params.remote_decode:
             return False, None
         key = transfer_id or rid
         if request.status not in FINISHED_NORMALLY or not block_ids:

@@ -7,33 +7,14 @@ import dataclasses
 from typing import Any
 
 from kv_connectors import wire
+from kv_connectors.counters import Kind, metrics
 from kv_connectors.vllm.compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
 
-# Cumulative StatsReply fields reported as per-interval increments, with their metric documentation.
-COUNTERS: dict[str, str] = {
-    "recv_transfers": "KV loads completed on this (decode) instance.",
-    "recv_failures": "KV loads that failed on this (decode) instance.",
-    "recv_bytes": "Bytes of KV loaded into this instance.",
-    "recv_blocks": "KV blocks loaded into this instance.",
-    "recv_descriptors": "Transfer descriptors (coalesced byte runs) of the KV loads.",
-    "pushes": "Pushes written from this (prefill) instance into a decode instance's blocks.",
-    "push_failures": "Pushes from this instance that failed.",
-    "layerwise_pushes": "Pushes written layer by layer during the prefill's forward pass.",
-    "completed_sends": "Requests whose blocks a decode instance was done with (freed on notice).",
-    "expired_leases": "Requests whose blocks were freed because no decode instance came for them.",
-    "claims_granted": "Reads of this (prefill) instance's blocks confirmed under a live lease.",
-    "claims_refused": "Reads of this (prefill) instance's blocks refused: lease ended, or blocks not held.",
-    "stale_reads_refused": "KV loads this (decode) instance failed because the prefill side refused the claim.",
-    "lease_renewals": "Prefill leases this (decode) instance kept alive for requests waiting in its queue.",
-}
+# Derived from the one definition (kv_connectors/counters.py), with their metric documentation.
+# Cumulative StatsReply fields, reported as per-interval increments:
+COUNTERS: dict[str, str] = metrics(Kind.COUNTER)
 # Point-in-time values: the latest one wins.
-GAUGES: dict[str, str] = {
-    "held_requests": "Requests whose KV blocks this (prefill) instance holds for a decode instance.",
-    "held_blocks": "KV blocks this (prefill) instance holds for decode instances.",
-    "staging_pool_bytes": "Configured size of the CPU staging pool (0: no staging).",
-    "staging_peak_bytes": "Most staging-pool bytes in use at once.",
-    "staging_allocated_bytes": "Staging-pool bytes actually allocated.",
-}
+GAUGES: dict[str, str] = metrics(Kind.GAUGE)
 DURATIONS = "transfer_seconds"
 
 

@@ -19,6 +19,7 @@ PURE = {
     "layout",
     "plan",
     "params",
+    "counters",
     "wire",
     "state",
     "specs",

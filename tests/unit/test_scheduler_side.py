@@ -70,3 +70,37 @@ def test_requests_without_remote_prefill_are_not_tracked():
     side.on_new_request(bad)
     clock.advance(10)
     assert not side.build_connector_meta(OUTPUT).renew_start
+
+
+def test_params_are_parsed_once_per_request_and_forgotten_when_it_finishes(monkeypatch):
+    import kv_connectors.vllm.scheduler as scheduler
+
+    calls: list[object] = []
+    parse = scheduler.parse_request_params
+
+    def counting(params):
+        calls.append(params)
+        return parse(params)
+
+    monkeypatch.setattr(scheduler, "parse_request_params", counting)
+    side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock())
+    a = _request("a", "ka")
+    side.on_new_request(a)
+    assert side.get_num_new_matched_tokens(a, 0) == (64, True)
+    assert side.get_num_new_matched_tokens(a, 0) == (64, True)
+    side.update_state_after_alloc(a, _blocks([5, 6]), 64)
+    a.status = RequestStatus.FINISHED_STOPPED
+    assert side.request_finished(a, [5, 6]) == (False, None)
+    assert len(calls) == 1 and "a" in side.build_connector_meta(OUTPUT).reqs_to_recv
+    assert not side._params, "a finished request's params are kept"
+
+    # P: the transfer id of a do_remote_decode request, parsed once, returned in P's params
+    p = SchedulerSide(parse_config("P", "kv_producer", {}), BLOCK, 7001, clock=FakeClock())
+    r = _request("r", "")
+    r.kv_transfer_params = {"do_remote_decode": True, "transfer_id": "t-1"}
+    calls.clear()
+    assert p.get_num_new_matched_tokens(r, 0) == (0, False)
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished(r, [3, 4])
+    assert delay and params is not None and params["remote_request_id"] == "t-1" and params["transfer_id"] == "t-1"
+    assert len(calls) == 1 and not p._params

@@ -19,7 +19,7 @@ def _free_port() -> int:
 
 def _handler(body):
     if isinstance(body, wire.StatsRequest):
-        return wire.StatsReply("p", 1, 7, 0, 0)
+        return wire.StatsReply(engine_id="p", held_requests=1, held_blocks=7)
     if isinstance(body, wire.HandshakeRequest) and body.compat.hash() != COMPAT.hash():
         return wire.ErrorReply("incompatible", COMPAT.diff(body.compat))
     if isinstance(body, wire.HandshakeRequest):

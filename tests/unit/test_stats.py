@@ -10,7 +10,7 @@ from kv_connectors.vllm.stats import IntervalStats, KvcPromMetrics, KvcStats
 
 
 def _reply(**kw) -> wire.StatsReply:
-    return wire.StatsReply("e", kw.pop("held_requests", 0), kw.pop("held_blocks", 0), 0, 0, **kw)
+    return wire.StatsReply(engine_id="e", **kw)
 
 
 def test_interval_stats_report_increments_and_changed_gauges():

@@ -29,7 +29,7 @@ def test_round_trip_every_message():
         wire.HandshakeRequest("d-engine", 0, COMPAT),
         wire.HandshakeReply("p", "agent", b"\x00\x01meta", wire.LayoutMsg.from_layout(layout)),
         wire.StatsRequest(),
-        wire.StatsReply("p", 1, 2, 3, 4, recv_bytes=5),
+        wire.StatsReply(engine_id="p", held_requests=1, held_blocks=2, completed_sends=3, expired_leases=4, recv_bytes=5),
         wire.ErrorReply("incompatible", "x"),
         wire.TransferDone("req-1", "d"),
     ]
@@ -219,3 +219,46 @@ def test_bad_params_still_name_where_to_release():
     assert release_address("nope") is None
     with pytest.raises(TransferParamsError, match="1..65535"):
         parse_remote_prefill({**good, "remote_block_ids": [1], "remote_port": 70000})
+
+
+def test_request_params_parsed_once_into_a_record():
+    from kv_connectors.params import NO_PARAMS, parse_request_params
+
+    assert parse_request_params(None) is NO_PARAMS and parse_request_params({}) is NO_PARAMS
+    assert parse_request_params("nope") is NO_PARAMS
+    d = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r", "remote_host": "h", "remote_port": 9}
+    good = parse_request_params({**d, "remote_block_ids": [1, 2], "remote_num_tokens": 40})
+    assert good.remote_prefill and not good.remote_decode and good.prefill_error is None and good.release is None
+    assert good.prefill is not None and good.prefill.remote_block_ids == (1, 2) and good.prefill.peer_key == ("P", "h", 9)
+    bad = parse_request_params({**d, "remote_block_ids": [1.5]})
+    assert bad.prefill is None and isinstance(bad.prefill_error, TransferParamsError)
+    assert bad.release is not None and bad.release.remote_request_id == "r"
+    p = parse_request_params({"do_remote_decode": True, "transfer_id": "t"})
+    assert p.remote_decode and not p.remote_prefill and p.transfer_id == "t" and p.transfer_id_error is None
+    p = parse_request_params({"do_remote_decode": True, "transfer_id": 7})
+    assert p.transfer_id is None and isinstance(p.transfer_id_error, TransferParamsError)
+    assert not parse_request_params({"do_remote_decode": "yes", "do_remote_prefill": 1}).remote_decode
+
+
+class _OldErrorReply(msgspec.Struct, frozen=True, tag="error"):
+    """ErrorReply as peers before ErrorCode declared it: the code a plain string."""
+
+    code: str
+    message: str
+
+
+def test_error_codes_keep_their_wire_encoding():
+    old_frames = msgspec.msgpack.Decoder(tuple[wire.Header, _OldErrorReply])
+    for code in wire.ErrorCode:
+        # ours, read by an old peer: the same string
+        _header, old = old_frames.decode(wire.encode(wire.ErrorReply(code, "m"), COMPAT.hash()))
+        assert type(old.code) is str and old.code == code.value
+        # an old peer's, read by us: the enum member
+        frame = msgspec.msgpack.encode((wire.Header(wire.WIRE_VERSION, COMPAT.hash(), "error"), _OldErrorReply(code.value, "m")))
+        reply = wire.decode(frame, COMPAT.hash())
+        assert isinstance(reply, wire.ErrorReply) and reply.code is code
+    assert {c.value for c in wire.ErrorCode} == {"incompatible", "bad_request", "not_ready", "unauthenticated", "internal"}
+    # a code we do not know is a malformed answer (a HandshakeError, as any refusal is to the caller)
+    frame = msgspec.msgpack.encode((wire.Header(wire.WIRE_VERSION, COMPAT.hash(), "error"), _OldErrorReply("novel", "m")))
+    with pytest.raises(HandshakeError, match="malformed"):
+        wire.decode(frame, COMPAT.hash())
