@@ -227,6 +227,19 @@ def _from_builtin(extra: dict[str, Any], environ: Mapping[str, str]) -> dict[str
     return out
 
 
+def check_parallelism(tensor_parallel_size: int, pipeline_parallel_size: int, connector: str) -> None:
+    """Tensor and pipeline parallelism are refused at start-up: a rank > 0 would read another
+    rank's heads (TP) or layers (PP), and answer with wrong tokens. Refused, never served wrong."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if tp > 1 or pp > 1:
+        raise ConfigError(
+            f"{connector} supports tensor_parallel_size 1 and pipeline_parallel_size 1 only (this instance: "
+            f"{tp} and {pp}): with more ranks each would need its own slice of the peer's KV cache, which is "
+            "not implemented yet. Run prefill and decode instances with --tensor-parallel-size 1 "
+            "--pipeline-parallel-size 1"
+        )
+
+
 def parse_role(value: Any) -> Role:
     """vLLM's kv_role string as a Role, or a ConfigError naming the valid ones."""
     try:

@@ -21,7 +21,7 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
 
     kwargs go to the transport (the memory transport needs `fabric`)."""
     if kind == "nixl":
-        nixl = _engine("kv_connectors.transports.nixl", "NixlTransport", "nixl")
+        nixl = _engine(*_ENGINES["nixl"], "nixl")
         return nixl(
             name,
             backend=cfg.nixl_backend,
@@ -30,7 +30,7 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
             **kwargs,
         )
     if kind == "mooncake":
-        mooncake = _engine("kv_connectors.transports.mooncake", "MooncakeTransport", "mooncake")
+        mooncake = _engine(*_ENGINES["mooncake"], "mooncake")
         return mooncake(
             name, hostname=cfg.side_channel_host, protocol=cfg.mooncake_protocol, device_name=cfg.mooncake_device_name, **kwargs
         )
@@ -39,6 +39,22 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
 
         return MemoryTransport(name, **kwargs)
     raise ConfigError(f"unknown transport {kind!r}; known: {', '.join(KINDS)}")
+
+
+_ENGINES = {
+    "nixl": ("kv_connectors.transports.nixl", "NixlTransport"),
+    "mooncake": ("kv_connectors.transports.mooncake", "MooncakeTransport"),
+}
+
+
+def require_transport(kind: str) -> None:
+    """What building a transport of `kind` would refuse first, without building one: an unknown kind,
+    or an engine that is not installed (ConfigError naming the pip extra)."""
+    if kind == "memory":
+        return
+    if kind not in _ENGINES:
+        raise ConfigError(f"unknown transport {kind!r}; known: {', '.join(KINDS)}")
+    _engine(*_ENGINES[kind], kind)
 
 
 def _engine(module: str, cls: str, extra: str) -> Callable[..., Transport]:

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kv_connectors import config
 from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
 from kv_connectors.layout import TensorInfo, build_layout, layer_regions
@@ -46,17 +47,10 @@ def _in_forward_step(default: Callable[[], Any]) -> Callable[[Callable[..., Any]
 
 
 def check_parallelism(parallel_config: Any, connector: str) -> None:
-    """Tensor and pipeline parallelism are refused at start-up: a rank > 0 would read another
-    rank's heads (TP) or layers (PP), and answer with wrong tokens. Refused, never served wrong."""
+    """vLLM's parallel config through config.check_parallelism (the check `kv-connectors check-config` runs)."""
     tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
     pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
-    if tp > 1 or pp > 1:
-        raise ConfigError(
-            f"{connector} supports tensor_parallel_size 1 and pipeline_parallel_size 1 only (this instance: "
-            f"{tp} and {pp}): with more ranks each would need its own slice of the peer's KV cache, which is "
-            "not implemented yet. Run prefill and decode instances with --tensor-parallel-size 1 "
-            "--pipeline-parallel-size 1"
-        )
+    config.check_parallelism(tp, pp, connector)
 
 
 def tensor_info(name: str, t: torch.Tensor) -> TensorInfo:
