@@ -44,6 +44,8 @@ class Caps:
     gone_fails_in_flight: a transfer in flight when the peer disappears fails (deterministic for
         the in-process kinds; with a real engine the transfer may just finish first).
     gone_deadline_s: how soon after the peer disappears its transfers must have failed.
+    known_defects: contract tests this kind fails today, by key (KNOWN_DEFECTS says what is wrong);
+        they run as strict xfails, so a fix shows up as XPASS (then remove the key).
     """
 
     kind: str
@@ -53,6 +55,7 @@ class Caps:
     remote_refused_at: str
     gone_fails_in_flight: bool
     gone_deadline_s: float
+    known_defects: frozenset[str] = frozenset()
     wait_s: float = 20.0
 
     @property
@@ -60,11 +63,20 @@ class Caps:
         return self.engine == "memory"
 
 
+KNOWN_DEFECTS = {
+    "partial-remote-refusal": (
+        "Mooncake checks only our side's addresses before posting; the peer's engine refuses just the"
+        " runs outside its registered buffers (rc -1) and moves the valid runs of the same batch, so a"
+        " refused plan has moved bytes. Fix: carry the registered ranges in Mooncake's local_metadata"
+        " and check remote runs in _post, as NIXL's descriptor preparation does."
+    ),
+}
+
 KINDS = {
     "memory": Caps("memory", "memory", False, True, "post", True, 1.0),
     "staged-memory": Caps("staged-memory", "memory", True, True, "poll", True, 3.0),
     "nixl": Caps("nixl", "nixl", False, False, "post", False, 5.0),
-    "mooncake": Caps("mooncake", "mooncake", False, False, "poll", False, 6.0),
+    "mooncake": Caps("mooncake", "mooncake", False, False, "poll", False, 6.0, frozenset({"partial-remote-refusal"})),
     "staged-nixl": Caps("staged-nixl", "nixl", True, True, "poll", False, 8.0),
     "staged-mooncake": Caps("staged-mooncake", "mooncake", True, True, "poll", False, 8.0),
 }

@@ -16,7 +16,7 @@ from kv_connectors.errors import KVConnectorError, PeerDisconnectedError, Transp
 from kv_connectors.plan import TransferPlan
 from kv_connectors.transports.base import XferState
 from kvc_testing.peers import block_copy, make_kv, storage_digest
-from tests.contract.conftest import D_SEED, P_SEED, Pair
+from tests.contract.conftest import D_SEED, KNOWN_DEFECTS, P_SEED, Pair
 from tests.transports.helpers import pick_blocks, read_until_error
 
 pytestmark = pytest.mark.timeout(120)
@@ -198,10 +198,13 @@ def _refused(pair: Pair, post: object, plan: TransferPlan, at: str) -> Transport
 
 
 @pytest.mark.parametrize("side", ["ours", "peer's"])
-def test_plan_outside_registered_regions_is_refused(pair: Pair, side: str) -> None:
+def test_plan_outside_registered_regions_is_refused(pair: Pair, side: str, request: pytest.FixtureRequest) -> None:
     """A plan with a run outside the registered regions (ours: at post, always; the peer's: where
     caps.remote_refused_at says) fails with a TransportError (not PeerDisconnectedError), no crash,
-    nothing moved on either side, no notification; the pair still works afterwards."""
+    nothing moved on either side (the bad run comes after valid ones), no notification; the pair
+    still works afterwards."""
+    if side == "peer's" and "partial-remote-refusal" in pair.caps.known_defects:
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=KNOWN_DEFECTS["partial-remote-refusal"]))
     t = pair.t
     far = 1 << 40
     read = pair.read_plan([1, 2, 3], [10, 11, 12])
