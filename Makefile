@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo lint test test-fast test-unit test-transports test-e2e bench bench-e2e bench-faults clean
+.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e bench bench-e2e bench-faults clean
 
 all: test
 
@@ -45,6 +45,10 @@ test: lint
 # Unit tests only (core, engine over the memory transport with a fake clock, proxy): about a minute.
 test-fast test-unit: lint
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/unit
+
+# The Transport contract on every transport kind (memory, NIXL, Mooncake, each also staged): under a minute.
+test-contract: lint
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/contract
 
 bench: $(STAMP)
 	$(VPY) -m benchmarks.bench_transport --size-mib 256 --block-kib 16 --order sequential

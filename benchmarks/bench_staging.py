@@ -16,25 +16,21 @@ import argparse
 import dataclasses
 import json
 import logging
-import multiprocessing as mp
 import os
 import statistics
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
-
-from benchmarks.bench_transport import HEAD_DIM_X2, KV_HEADS, Shape, add_engine_args, block_ids, make_transport
-from kv_connectors.layout import KVLayout, TensorInfo, build_layout
+from benchmarks.bench_transport import add_engine_args, block_ids, engine_spec, open_side, start_p
 from kv_connectors.plan import TransferPlan, plan_transfer
-from kv_connectors.transports.base import MemoryKind, Transport, XferState
+from kv_connectors.transports.base import Transport, XferState
+from kvc_testing import peers
+from kvc_testing.peers import Peer, Shape, check_pattern, fill_sentinel
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 180.0
 XFER_TIMEOUT_S = 120.0
-SENTINEL = -0x2152411021524111  # 0xDEADBEEFDEADBEEF as int64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,96 +38,6 @@ class Variant:
     name: str  # "direct" or "staged-<chunk KiB>"
     staged: bool
     chunk_kib: int = 0
-
-
-def kv_tensors(shape: Shape, device: str) -> list[Any]:
-    import torch
-
-    return [
-        torch.empty((shape.num_blocks, KV_HEADS, shape.block_size, HEAD_DIM_X2), dtype=torch.float32, device=device)
-        for _ in range(shape.layers)
-    ]
-
-
-def words(t: Any) -> Any:
-    import torch
-
-    return t.view(t.shape[0], -1).view(torch.int64)
-
-
-def fill_pattern(kv: list[Any]) -> None:
-    """Word w of block b of layer l holds (l << 40) | (b * words_per_block + w)."""
-    import torch
-
-    for layer, t in enumerate(kv):
-        w = words(t)
-        w.copy_(torch.arange(w.numel(), dtype=torch.int64, device=t.device).view(w.shape) | (layer << 40))
-
-
-def check(kv: list[Any], src_ids: np.ndarray, dst_ids: np.ndarray) -> str | None:
-    """None if destination block dst_ids[i] of every layer holds source block src_ids[i]; else what is wrong."""
-    import torch
-
-    for layer, t in enumerate(kv):
-        w = words(t)
-        wpb = w.shape[1]
-        src = torch.as_tensor(src_ids, dtype=torch.int64, device=t.device)
-        want = (src[:, None] * wpb + torch.arange(wpb, device=t.device)) | (layer << 40)
-        if not torch.equal(w[torch.as_tensor(dst_ids, device=t.device)], want):
-            return f"VERIFY FAILED: layer {layer} holds wrong bytes after the transfer"
-    return None
-
-
-def layout_of(kv: list[Any], shape: Shape) -> KVLayout:
-    infos = [TensorInfo(f"layer{i}", t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size()) for i, t in enumerate(kv)]
-    return build_layout(infos, shape.num_blocks, shape.block_size, block_dim=0)
-
-
-def open_transport(name: str, variant: Variant, pool_bytes: int, args: argparse.Namespace) -> Transport:
-    inner = make_transport(args.transport, name, args)
-    if not variant.staged:
-        return inner
-    from kv_connectors.transports.staging import StagedTransport
-
-    return StagedTransport(inner, pool_bytes=pool_bytes, chunk_bytes=variant.chunk_kib << 10)
-
-
-def memory_kind(device: str) -> MemoryKind:
-    return MemoryKind.DEVICE if device == "cuda" else MemoryKind.HOST
-
-
-def serve_p(conn: Connection, shape: Shape, variant: Variant, pool_bytes: int, args: argparse.Namespace) -> None:
-    """P: holds the patterned (pull) or sentinel (push) KV cache; progresses its transport until "stop"."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    kv = kv_tensors(shape, args.device)
-    if args.mode == "pull":
-        fill_pattern(kv)
-    else:
-        for t in kv:
-            words(t).fill_(SENTINEL)
-    transport = open_transport("bench-p", variant, pool_bytes, args)
-    idle_s = args.poll_us / 1e6 if variant.staged else 0.01  # a staging P takes part in every chunk
-    try:
-        layout = layout_of(kv, shape)
-        transport.register(layout, memory_kind(args.device), 0)
-        conn.send((transport.local_metadata(), layout))
-        while True:
-            transport.get_notifs()
-            if not conn.poll(idle_s):
-                continue
-            cmd = conn.recv()
-            if cmd[0] == "connect":
-                transport.connect(cmd[1], cmd[2])
-                conn.send("ok")
-            elif cmd[0] == "verify":
-                conn.send(check(kv, cmd[1], cmd[2]) or "ok")
-            elif cmd[0] == "stop":
-                conn.send("stopped")
-                return
-    except (EOFError, BrokenPipeError):
-        return
-    finally:
-        transport.close()
 
 
 def run_xfer(t: Transport, plan: TransferPlan, push: bool, poll_s: float) -> float:
@@ -148,49 +54,38 @@ def run_xfer(t: Transport, plan: TransferPlan, push: bool, poll_s: float) -> flo
         t.release(handle)
 
 
-def ask(conn: Connection, msg: tuple[Any, ...], what: str) -> Any:
-    conn.send(msg)
-    if not conn.poll(START_TIMEOUT_S):
-        raise RuntimeError(f"P did not answer {what} within {START_TIMEOUT_S} s")
-    return conn.recv()
-
-
 def run_variant(variant: Variant, shape: Shape, pool_bytes: int, args: argparse.Namespace) -> dict[str, Any]:
     """One variant in a fresh P: warm-up, verified first timed transfer, then the rest."""
     import torch
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=serve_p, args=(child, shape, variant, pool_bytes, args), daemon=True)
-    proc.start()
-    child.close()
-    transport = None
     push = args.mode == "push"
+    pool, chunk = (pool_bytes, variant.chunk_kib << 10) if variant.staged else (0, 0)
+    transport = None
+    p: Peer | None = None
     try:
-        kv = kv_tensors(shape, args.device)
-        if push:
-            fill_pattern(kv)
-        transport = open_transport("bench-d", variant, pool_bytes, args)
-        local = layout_of(kv, shape)
-        transport.register(local, memory_kind(args.device), 0)
-        if not parent.poll(START_TIMEOUT_S):
-            raise RuntimeError(f"P did not start within {START_TIMEOUT_S} s")
-        p_md, remote = parent.recv()
-        transport.connect("bench-p", p_md)
-        if variant.staged and ask(parent, ("connect", "bench-d", transport.local_metadata()), "connect") != "ok":
+        # P holds the patterned (pull) or sentinel (push) KV cache; D the other.
+        p_spec = engine_spec(args, "bench-p", shape, "sentinel" if push else "pattern", pool, chunk)
+        transport, kv, local = open_side(engine_spec(args, "bench-d", shape, "pattern" if push else "", pool, chunk))
+        try:
+            p = start_p(p_spec, START_TIMEOUT_S)
+        except SystemExit as e:
+            raise RuntimeError(str(e)) from e
+        transport.connect("bench-p", p.metadata)
+        if variant.staged and p.call("connect", "bench-d", transport.local_metadata()) != "ok":
             raise RuntimeError("P did not connect back to D")
+        remote = p.layout
+        assert remote is not None
         src_ids, dst_ids = block_ids(args.order, shape.num_blocks, args.seed)
         src_layout, dst_layout = (local, remote) if push else (remote, local)
         plan = plan_transfer(src_layout, src_ids, dst_layout, dst_ids)
         poll_s = args.poll_us / 1e6
         run_xfer(transport, plan, push, poll_s)  # connection set-up, registration caches
         if not push:
-            for t in kv:
-                words(t).fill_(SENTINEL)
+            fill_sentinel(kv)
             if args.device == "cuda":
                 torch.cuda.synchronize()
         secs = [run_xfer(transport, plan, push, poll_s)]
-        err = ask(parent, ("verify", src_ids, dst_ids), "verify") if push else check(kv, src_ids, dst_ids)
+        err = p.call("verify", src_ids, dst_ids) if push else check_pattern(kv, src_ids, dst_ids)
         if err not in (None, "ok"):
             raise RuntimeError(err)
         secs += [run_xfer(transport, plan, push, poll_s) for _ in range(args.repeat - 1)]
@@ -213,15 +108,12 @@ def run_variant(variant: Variant, shape: Shape, pool_bytes: int, args: argparse.
                 peak_slots=stats["peak_slots_in_use"],
                 slots=stats["slots"],
             )
-        ask(parent, ("stop",), "stop")
         return out
     finally:
+        if p is not None:
+            peers.stop_peers([p])
         if transport is not None:
             transport.close()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
 
 
 def copy_gbps(nbytes: int, device: str, repeat: int) -> float:

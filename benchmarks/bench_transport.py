@@ -3,95 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import multiprocessing as mp
 import os
 import statistics
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from kv_connectors.layout import KVLayout, TensorInfo, build_layout
+from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.transports.base import Transport, XferState
+from kvc_testing import peers
+from kvc_testing.peers import Peer, PeerSpec, Shape, check_pattern, fill_pattern, fill_sentinel
 
 logger = logging.getLogger(__name__)
 
-KV_HEADS = 2
-HEAD_DIM_X2 = 64  # K and V fused in the last dim, as vLLM's CPU layout (num_blocks, heads, block_size, 2*head)
-F32 = 4
-SENTINEL = np.uint64(0xDEADBEEFDEADBEEF)
 START_TIMEOUT_S = 120.0
 XFER_TIMEOUT_S = 120.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A KV cache of `layers` tensors (num_blocks, KV_HEADS, block_size, HEAD_DIM_X2) float32."""
-
-    size_mib: int
-    block_kib: int
-    layers: int
-
-    @property
-    def block_size(self) -> int:  # tokens per block giving block_kib KiB per layer segment
-        return self.block_kib * 1024 // (KV_HEADS * HEAD_DIM_X2 * F32)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.size_mib * 1024 // (self.block_kib * self.layers)
-
-    @property
-    def words_per_block(self) -> int:  # uint64 words in one block segment
-        return self.block_kib * 1024 // 8
-
-    def check(self) -> None:
-        if self.block_kib * 1024 % (KV_HEADS * HEAD_DIM_X2 * F32) or self.block_size < 1:
-            raise SystemExit(f"--block-kib must be a multiple of {KV_HEADS * HEAD_DIM_X2 * F32 // 1024 or 1} KiB")
-        if self.num_blocks < 1 or self.num_blocks * self.block_kib * self.layers != self.size_mib * 1024:
-            raise SystemExit("--size-mib must be a multiple of --block-kib x --layers")
-
-
-def make_kv(shape: Shape) -> list[np.ndarray]:
-    return [np.empty((shape.num_blocks, KV_HEADS, shape.block_size, HEAD_DIM_X2), dtype=np.float32) for _ in range(shape.layers)]
-
-
-def words(t: np.ndarray) -> np.ndarray:
-    """A layer tensor as (num_blocks, words_per_block) uint64: pattern and checks ignore floats."""
-    return t.reshape(t.shape[0], -1).view(np.uint64)
-
-
-def fill_pattern(kv: list[np.ndarray], shape: Shape) -> None:
-    """Word w of block b of layer l holds (l << 40) | (b * words_per_block + w): every word is unique."""
-    for layer, t in enumerate(kv):
-        w = words(t)
-        w[:] = np.arange(w.size, dtype=np.uint64).reshape(w.shape) | np.uint64(layer << 40)
-
-
-def verify(kv: list[np.ndarray], shape: Shape, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-    """Destination block dst_ids[i] of every layer must hold source block src_ids[i] exactly."""
-    wpb = shape.words_per_block
-    lane = np.arange(wpb, dtype=np.uint64)
-    for layer, t in enumerate(kv):
-        want = (src_ids.astype(np.uint64)[:, None] * np.uint64(wpb) + lane) | np.uint64(layer << 40)
-        if not np.array_equal(words(t)[dst_ids], want):
-            raise SystemExit(f"VERIFY FAILED: layer {layer} holds wrong bytes after the transfer")
-
-
-def layout_of(kv: list[np.ndarray], shape: Shape) -> KVLayout:
-    infos = [
-        TensorInfo(f"layer{i}", t.ctypes.data, t.shape, tuple(s // t.itemsize for s in t.strides), t.itemsize)
-        for i, t in enumerate(kv)
-    ]
-    return build_layout(infos, shape.num_blocks, shape.block_size, block_dim=0)
-
-
 def add_engine_args(ap: argparse.ArgumentParser, poll_us: float) -> None:
-    """The engine knobs make_transport reads, and the sleep between polls."""
+    """The engine knobs engine_spec reads, and the sleep between polls."""
     ap.add_argument("--progress-delay-us", type=int, default=1000, help="NIXL only: progress-thread delay")
     ap.add_argument("--num-threads", type=int, default=None, help="NIXL only")
     ap.add_argument("--max-batch", type=int, default=1000, help="Mooncake only: runs per engine batch")
@@ -99,83 +33,61 @@ def add_engine_args(ap: argparse.ArgumentParser, poll_us: float) -> None:
     ap.add_argument("--poll-us", type=float, default=poll_us, help="sleep between polls (0: spin)")
 
 
-def make_transport(kind: str, name: str, args: argparse.Namespace) -> Transport:
-    if kind == "nixl":
-        from kv_connectors.transports.nixl import NixlTransport
+def engine_spec(args: argparse.Namespace, name: str, shape: Shape, fill: str, pool: int = 0, chunk: int = 0) -> PeerSpec:
+    """One side of a benchmark in the shared harness: args.transport with the engine knobs, the
+    benchmark KV pattern ("pattern") or sentinels ("sentinel") on args.device, staged where pool > 0
+    (a staging P takes part in every chunk, so it progresses every poll; a plain one every 10 ms)."""
+    if args.transport not in ("nixl", "mooncake"):
+        raise SystemExit(f"unknown transport {args.transport!r}")
+    return PeerSpec(
+        args.transport,
+        name,
+        pool=pool,
+        chunk=chunk,
+        probe_s=1.0,
+        progress_delay_us=args.progress_delay_us,
+        num_threads=args.num_threads,
+        max_batch=args.max_batch,
+        protocol=args.mooncake_protocol,
+        shape=shape,
+        device=getattr(args, "device", "cpu"),
+        fill=fill,
+        idle=args.poll_us / 1e6 if pool else 0.01,
+        digest_notifs=False,
+    )
 
-        return NixlTransport(name, progress_delay_us=args.progress_delay_us, num_threads=args.num_threads)
-    if kind == "mooncake":
-        from kv_connectors.transports.mooncake import MooncakeTransport
 
-        return MooncakeTransport(name, protocol=args.mooncake_protocol, max_batch=args.max_batch)
-    raise SystemExit(f"unknown transport {kind!r}")
-
-
-def maybe_staged(transport: Transport, args: argparse.Namespace) -> Transport:
-    """--staging on: the same engine behind a StagedTransport (KV blocks go through a host pool)."""
-    if args.staging != "on":
-        return transport
-    from kv_connectors.transports.staging import StagedTransport
-
-    return StagedTransport(transport, pool_bytes=args.pool_mib << 20, chunk_bytes=args.chunk_kib << 10)
-
-
-def serve_p(conn: Connection, shape: Shape, args: argparse.Namespace) -> None:
-    """P: owns the source KV cache; answers ("notifs",) with the count received and ("stop",)."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    kv = make_kv(shape)
-    if args.mode == "pull":
-        fill_pattern(kv, shape)  # D reads these blocks
-    else:
-        for t in kv:
-            words(t)[:] = SENTINEL  # the other process writes into these blocks
-    transport = maybe_staged(make_transport(args.transport, "bench-p", args), args)
-    idle_s = args.poll_us / 1e6 if args.staging == "on" else 0.01  # a staging P takes part in every chunk
+def open_side(spec: PeerSpec) -> tuple[Transport, list[Any], KVLayout]:
+    """This process's side: the spec's transport, registered over its KV cache."""
+    kv, layout = peers.kv_of(spec)
+    transport = peers.open_transport(spec)
     try:
-        layout = layout_of(kv, shape)
-        transport.register(layout)
-        conn.send((transport.local_metadata(), layout))
-        received = 0
-        while True:
-            received += len(transport.get_notifs())
-            if conn.poll(idle_s):
-                cmd = conn.recv()
-                if cmd[0] == "connect":  # staging: P answers D over notifications, so it connects back
-                    transport.connect(cmd[1], cmd[2])
-                    conn.send("ok")
-                    continue
-                if cmd[0] == "stop":
-                    conn.send(received)
-                    return
-                if cmd[0] == "verify":  # push: the written blocks must hold the sources exactly
-                    try:
-                        verify(kv, shape, cmd[1], cmd[2])
-                        conn.send("ok")
-                    except SystemExit as e:
-                        conn.send(str(e))
-                    continue
-                conn.send(received)
-    except (EOFError, BrokenPipeError):
-        return
-    finally:
+        transport.register(layout, spec.memory_kind, 0)
+    except BaseException:
         transport.close()
+        raise
+    return transport, kv, layout
 
 
-def wait_notifs(conn: Connection, expected: int, timeout: float = 10.0) -> int:
-    """Notifications P received (one per full read); stops P. -1 if P does not answer."""
+def start_p(spec: PeerSpec, timeout_s: float = START_TIMEOUT_S) -> Peer:
+    """P in its own process (kvc_testing.peers.serve), ready; timeout_s bounds its start and every answer."""
+    try:
+        return peers.start_peers([spec], wait_s=timeout_s, startup_s=timeout_s)[0]
+    except TimeoutError as e:
+        raise SystemExit(f"P did not start: {e}") from e
+
+
+def wait_notifs(p: Peer, expected: int, timeout: float = 10.0) -> int:
+    """Notifications P received (one per full read), waiting up to timeout for `expected`; -1 if P does not answer."""
     deadline = time.monotonic() + timeout
-    received = -1
+    received = 0
     while True:
-        last = time.monotonic() >= deadline
-        conn.send(("stop",) if last else ("notifs",))
-        if not conn.poll(timeout):
+        try:
+            received += len(p.call("notifs", timeout=timeout))
+        except (TimeoutError, OSError, EOFError):
             return -1
-        received = conn.recv()
-        if last:
+        if received >= expected or time.monotonic() >= deadline:
             return received
-        if received >= expected:
-            conn.send(("stop",))
-            return conn.recv() if conn.poll(timeout) else received
         time.sleep(0.01)
 
 
@@ -232,30 +144,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = Shape(args.size_mib, args.block_kib, args.layers)
     shape.check()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback between the two processes
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=serve_p, args=(child, shape, args), daemon=True)
-    proc.start()
-    child.close()
+    push = args.mode == "push"
+    pool, chunk = (args.pool_mib << 20, args.chunk_kib << 10) if args.staging == "on" else (0, 0)
+    # P holds the blocks D reads (pull), or sentinels the other process writes into (push).
+    p_spec = engine_spec(args, "bench-p", shape, "sentinel" if push else "pattern", pool, chunk)
     transport = None
+    p: Peer | None = None
     try:
-        kv = make_kv(shape)
-        for t in kv:
-            words(t)[:] = SENTINEL  # prefault, and mark every byte as "not copied"
-        transport = maybe_staged(make_transport(args.transport, "bench-d", args), args)
-        local = layout_of(kv, shape)
-        transport.register(local)
-        if not parent.poll(START_TIMEOUT_S):
-            raise SystemExit(f"P did not start within {START_TIMEOUT_S} s")
-        p_md, remote = parent.recv()
-        transport.connect("bench-p", p_md)
-        if args.staging == "on":
-            parent.send(("connect", "bench-d", transport.local_metadata()))
-            if not parent.poll(START_TIMEOUT_S) or parent.recv() != "ok":
-                raise SystemExit("P did not connect back to D (staging)")
+        # D: every byte marked "not copied" (also prefaults); push fills the pattern below.
+        transport, kv, local = open_side(engine_spec(args, "bench-d", shape, "sentinel", pool, chunk))
+        p = start_p(p_spec)
+        transport.connect("bench-p", p.metadata)
+        if args.staging == "on" and p.call("connect", "bench-d", transport.local_metadata()) != "ok":
+            raise SystemExit("P did not connect back to D (staging)")
+        remote = p.layout
+        assert remote is not None
         poll_s = args.poll_us / 1e6
 
-        push = args.mode == "push"
         src_layout, dst_layout = (local, remote) if push else (remote, local)
         counts = {}
         for o in ("sequential", "shuffled"):
@@ -266,24 +171,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         one = plan_transfer(src_layout, [0], dst_layout, [0])  # one block of every layer: latency probe
         if push:
-            fill_pattern(kv, shape)
+            fill_pattern(kv)
         run_xfer(transport, plan, poll_s, b"warmup", write=push)  # connection set-up, page tables
         if push:
-            parent.send(("verify", src_ids, dst_ids))
-            answer = parent.recv() if parent.poll(START_TIMEOUT_S) else "no answer"
+            answer = p.call("verify", src_ids, dst_ids)
             if answer != "ok":
                 raise SystemExit(f"push verification at the receiver failed: {answer}")
         else:
-            for t in kv:
-                words(t)[:] = SENTINEL
+            fill_sentinel(kv)
         batches: list[int] = []
         secs = [run_xfer(transport, plan, poll_s, b"timed", batches, write=push)]
         if not push:
-            verify(kv, shape, src_ids, dst_ids)
+            err = check_pattern(kv, src_ids, dst_ids)
+            if err:
+                raise SystemExit(err)
         secs += [run_xfer(transport, plan, poll_s, b"timed", write=push) for _ in range(args.repeat - 1)]
         lat = [run_xfer(transport, one, poll_s, b"", write=push) for _ in range(args.latency_samples)]
 
-        notifs = wait_notifs(parent, expected=args.repeat + 1)
+        notifs = wait_notifs(p, expected=args.repeat + 1)
         gbps = [plan.total_bytes / s / 1e9 for s in secs]
         mem = memcpy_gbps(plan.total_bytes, args.repeat)
         return {
@@ -322,12 +227,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "verified": True,
         }
     finally:
+        if p is not None:
+            peers.stop_peers([p])
         if transport is not None:
             transport.close()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
 
 
 def report(r: dict[str, Any]) -> None:

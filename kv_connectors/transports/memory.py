@@ -117,6 +117,7 @@ class MemoryXfer:
     plan: TransferPlan
     notif: bytes
     ready_at: float
+    target: MemoryTransport | None = None  # the peer incarnation posted to
     state: XferState = XferState.IN_PROGRESS
     error: TransportError | None = None
 
@@ -136,6 +137,7 @@ class MemoryTransport:
         self._ranges = Ranges()
         self._peers: set[str] = set()
         self._inbox: list[tuple[str, bytes]] = []
+        self._closed = False
         self.posted = 0
         fabric.agents[name] = self
 
@@ -156,6 +158,8 @@ class MemoryTransport:
         self._peers.discard(peer_name)
 
     def _peer(self, peer_name: str) -> MemoryTransport:
+        if self._closed:
+            raise TransportError(f"memory transport {self.name} is closed")
         if peer_name not in self._peers:
             raise TransportError(f"peer {peer_name!r} is not connected")
         peer = self._fabric.agents.get(peer_name)
@@ -178,7 +182,7 @@ class MemoryTransport:
         _check(peer._ranges, remote, plan.length, f"{peer_name}'s memory")
         _check(self._ranges, local, plan.length, "our memory")
         self.posted += 1
-        xfer = MemoryXfer(peer_name, read, plan, notif, self._fabric.clock() + self.delay_s)
+        xfer = MemoryXfer(peer_name, read, plan, notif, self._fabric.clock() + self.delay_s, peer)
         self._try_complete(xfer)
         return xfer
 
@@ -187,6 +191,12 @@ class MemoryTransport:
             return
         if xfer.peer_name in self._fabric.dead:
             xfer.error = PeerDisconnectedError(f"peer {xfer.peer_name!r} died mid-transfer")
+            return
+        if self._closed:
+            xfer.error = TransportError(f"memory transport {self.name} closed mid-transfer")
+            return
+        if self._fabric.agents.get(xfer.peer_name) is not xfer.target:  # its memory may be freed: copy nothing
+            xfer.error = PeerDisconnectedError(f"peer {xfer.peer_name!r} closed mid-transfer")
             return
         if xfer.peer_name in self._fabric.frozen or self._fabric.clock() < xfer.ready_at:
             return
@@ -211,11 +221,16 @@ class MemoryTransport:
         peer._inbox.append((self.name, bytes(msg)))
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
+        if self._closed:
+            raise TransportError(f"memory transport {self.name} is closed")
         out, self._inbox = self._inbox, []
         return out
 
     def close(self) -> None:
-        self._fabric.agents.pop(self.name, None)
+        self._closed = True
+        self._ranges = []
+        if self._fabric.agents.get(self.name) is self:
+            del self._fabric.agents[self.name]
 
 
 def _check(ranges: Ranges, addr: np.ndarray, length: np.ndarray, what: str) -> None:

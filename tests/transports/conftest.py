@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.transports import helpers
+from kvc_testing import peers
 
 
 @pytest.fixture(scope="module")
 def loopback_env() -> Iterator[None]:
     """UCX_NET_DEVICES=lo for the module's NIXL agents and the peers it spawns."""
-    with helpers.loopback_env():
+    with peers.loopback_env():
         yield

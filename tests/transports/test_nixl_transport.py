@@ -17,9 +17,9 @@ from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportEr
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transports.base import XferState
 from kv_connectors.transports.nixl import NixlTransport
-from tests.transports import peer
-from tests.transports.helpers import Local, Peer, open_local, peer_starter, random_pairs, read_until_error, wait_done
-from tests.transports.peer import PeerSpec
+from kvc_testing import peers as peer
+from kvc_testing.peers import Local, Peer, PeerSpec, open_local, peer_starter
+from tests.transports.helpers import random_pairs, read_until_error, wait_done
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("loopback_env")]
 

@@ -17,18 +17,21 @@ from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.transports import staging
 from kv_connectors.transports.base import MemoryKind, XferState
 from kv_connectors.transports.staging import StagedTransport, StagedXfer, chunk_plan
-from tests.transports import helpers, peer
-from tests.transports.helpers import (
+from kvc_testing import peers as peer
+from kvc_testing.peers import (
     Local,
     Peer,
-    bytes_covered,
+    PeerSpec,
+    block_copy,
+    layout_of,
     open_local,
-    pick_blocks,
-    plan_of_runs,
+    open_transport,
     start_peers,
     stop_peers,
+    storage_digest,
 )
-from tests.transports.peer import PeerSpec, block_copy, layout_of, open_transport, storage_digest
+from tests.transports import helpers
+from tests.transports.helpers import bytes_covered, pick_blocks, plan_of_runs
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("loopback_env")]
 
