@@ -228,7 +228,7 @@ class MemoryTransport:
 
     def close(self) -> None:
         self._closed = True
-        self._ranges = []
+        self._ranges = Ranges()
         if self._fabric.agents.get(self.name) is self:
             del self._fabric.agents[self.name]
 
