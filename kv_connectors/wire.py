@@ -12,9 +12,10 @@ from kv_connectors.counters import Counters
 from kv_connectors.errors import HandshakeError, IncompatiblePeerError, UnauthenticatedPeerError
 from kv_connectors.layout import KVLayout, Region
 
-# Wire history: 1 = handshake, push, notifications; 2 = claims (the fence), renewals, epochs, MACs.
+# Wire history: 1 = handshake, push, notifications; 2 = claims (the fence), renewals, epochs, MACs;
+# 3 = Mooncake transport metadata carries the registered ranges, the error code set is closed.
 # A peer of another version is refused at the handshake with "upgrade both sides".
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 _MAX_ADDRESS = 2**63  # planned addresses are int64
 
 

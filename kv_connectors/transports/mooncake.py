@@ -68,10 +68,13 @@ def _load_mooncake() -> ModuleType:
 
 
 class _PeerInfo(msgspec.Struct, array_like=True, frozen=True):
-    """What a peer needs to reach us: the engine's session id and a registered scratch byte."""
+    """What a peer needs to reach us: the engine's session id, a registered scratch byte, and the
+    (start, end) ranges registered at the time (a peer checks its plans against them before posting:
+    the engine would refuse only the runs outside, and move the rest of the batch)."""
 
     session_id: str  # "host:rpc_port"
     scratch_addr: int
+    ranges: list[tuple[int, int]] = []
 
 
 class _Notify(str, enum.Enum):
@@ -148,6 +151,7 @@ class _PeerWorker:
     ) -> None:
         self.peer_name = peer_name
         self.info = info
+        self.ranges = Ranges(info.ranges)  # what the peer registered, for checking its side of our plans
         self.metadata = metadata  # exactly what connect() got: equal bytes mean the same peer incarnation
         self._owner = owner
         self._engine = engine
@@ -338,7 +342,8 @@ class MooncakeTransport:
     def local_metadata(self) -> bytes:
         """Opaque bytes for the handshake: our engine's session id and scratch address."""
         self._require_open()
-        return _MD_MAGIC + msgspec.msgpack.encode(_PeerInfo(self.session_id, int(self._scratch.ctypes.data)))
+        info = _PeerInfo(self.session_id, int(self._scratch.ctypes.data), list(self._ranges.spans))
+        return _MD_MAGIC + msgspec.msgpack.encode(info)
 
     def connect(self, peer_name: str, peer_metadata: bytes) -> None:
         """Map peer_name to its engine; a known name with new metadata (restarted peer) is replaced."""
@@ -372,6 +377,7 @@ class MooncakeTransport:
         self._require_open()
         worker = self._require_peer(peer_name)
         self._check_local(op, plan)
+        self._check_remote(op, plan, worker.ranges, peer_name)
         batches = -(-plan.num_runs // self._max_batch)
         handle = MooncakeXfer(
             peer_name, op, plan.num_runs, plan.total_bytes, batches, plan, _encode_notif(notif) if notif else None
@@ -383,6 +389,18 @@ class MooncakeTransport:
         self._live[id(handle)] = handle
         logger.debug("Mooncake %s %s: %d runs, %d bytes, %d batches", op, peer_name, plan.num_runs, plan.total_bytes, batches)
         return handle
+
+    @staticmethod
+    def _check_remote(op: Op, plan: TransferPlan, ranges: Ranges, peer_name: str) -> None:
+        """The peer's side against the ranges it advertised: its engine would refuse only the runs
+        outside them and move the rest, so a bad plan is refused whole here, before anything moves."""
+        addr = plan.src if op is Op.READ else plan.dst
+        bad = ranges.first_outside(addr, plan.length)
+        if bad is not None:
+            raise TransportError(
+                f"Mooncake {op} with {peer_name}: remote run {bad} ({int(addr[bad]):#x}, {int(plan.length[bad])} "
+                "bytes) is not inside the memory the peer registered"
+            )
 
     def _check_local(self, op: Op, plan: TransferPlan) -> None:
         """TCP does not check our side's addresses: a run outside registered memory would corrupt it."""

@@ -76,7 +76,7 @@ KINDS = {
     "memory": Caps("memory", "memory", False, True, "post", True, 1.0),
     "staged-memory": Caps("staged-memory", "memory", True, True, "poll", True, 3.0),
     "nixl": Caps("nixl", "nixl", False, False, "post", False, 5.0),
-    "mooncake": Caps("mooncake", "mooncake", False, False, "poll", False, 6.0, frozenset({"partial-remote-refusal"})),
+    "mooncake": Caps("mooncake", "mooncake", False, False, "post", False, 6.0),
     "staged-nixl": Caps("staged-nixl", "nixl", True, True, "poll", False, 8.0),
     "staged-mooncake": Caps("staged-mooncake", "mooncake", True, True, "poll", False, 8.0),
 }

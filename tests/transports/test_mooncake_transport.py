@@ -9,11 +9,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransferTimeoutError, TransportError
 from kv_connectors.plan import TransferPlan, plan_transfer
+from kv_connectors.transports import mooncake as mooncake_transport
 from kv_connectors.transports.base import XferState
 from kv_connectors.transports.mooncake import MooncakeTransport
 from kvc_testing import peers as peer
@@ -181,10 +183,17 @@ def test_bad_addresses(local: Local, start_peer: Any) -> None:
     with pytest.raises(TransportError, match="registered memory"):  # ours: checked before posting
         t.post_read(p.name, outside, b"")
     remote_bad = TransferPlan(plan.src - (1 << 30), plan.dst, plan.length, 2)
+    with pytest.raises(TransportError, match="the peer registered"):  # theirs: against its advertised ranges
+        t.post_read(p.name, remote_bad, b"never")
+    # A peer that advertises more than it registered: its engine refuses the run (alive, not disconnected).
+    info = mooncake_transport._decode_metadata(p.metadata)
+    boastful = msgspec.structs.replace(info, ranges=[(0, 1 << 62)])
+    t.connect(p.name, mooncake_transport._MD_MAGIC + msgspec.msgpack.encode(boastful))
     handle = t.post_read(p.name, remote_bad, b"never")
-    with pytest.raises(TransportError, match="rc -1") as err:  # the peer refuses: alive, not disconnected
+    with pytest.raises(TransportError, match="rc -1") as err:
         wait_done(t, handle, WAIT_S)
     assert not isinstance(err.value, PeerDisconnectedError)
+    t.connect(p.name, p.metadata)
     wait_done(t, t.post_read(p.name, plan, b"fine"), WAIT_S)  # the connection still works
     p.wait_notif(t.name, b"fine")
     assert all(m != b"never" for _, m, _ in p.call("notifs"))
