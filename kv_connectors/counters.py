@@ -90,3 +90,29 @@ COUNTERS: tuple[Counter, ...] = _table()
 def metrics(kind: Kind) -> dict[str, str]:
     """Exported counters of one kind: name -> help, in definition order."""
     return {c.name: c.help for c in COUNTERS if c.kind is kind and c.metric}
+
+
+class Phase(enum.Enum):
+    """Durations kept per transfer, each a `kvc:<value>_seconds` histogram. D's phases of one load:
+    queue (arrival at D until the load starts), handshake (load start until the read or push
+    request is posted, ~0 with a known peer), then transfer (post until the load counts; the
+    existing `kvc:transfer_seconds`), within which read (post until the bytes landed; push: until
+    P's notice) and claim (the fence's round trip, pull); total = handshake + transfer. P: lease
+    hold (blocks held for a D, from the end of the prefill until freed or expired)."""
+
+    QUEUE = "load_queue"
+    HANDSHAKE = "load_handshake"
+    CLAIM = "load_claim"
+    READ = "load_read"
+    TOTAL = "load_total"
+    LEASE_HOLD = "lease_hold"
+
+
+PHASE_HELP: dict[Phase, str] = {
+    Phase.QUEUE: "Decode: time a request waited in the decode instance's queue before its KV load started.",
+    Phase.HANDSHAKE: "Decode: from the KV load's start until its read (or push request) was posted (the handshake).",
+    Phase.CLAIM: "Decode, pull: round trip of the lease claim on the prefill instance (overlaps the read).",
+    Phase.READ: "Decode: from post until the KV bytes landed (push: until the prefill instance's notice).",
+    Phase.TOTAL: "Decode: from the KV load's start until it counted (handshake + transfer).",
+    Phase.LEASE_HOLD: "Prefill: how long KV blocks were held for a decode instance (until freed or expired).",
+}

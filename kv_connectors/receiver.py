@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, TransferMode
+from kv_connectors.counters import Phase
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import plan_transfer
@@ -18,6 +19,7 @@ from kv_connectors.transports.base import Transport, XferState
 logger = logging.getLogger(__name__)
 
 PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, port)
+_DURATIONS_CAP = 10_000  # durations kept until taken for metrics (bounded when nobody collects them)
 _CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its next step): ask again
 _FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly different rates
 
@@ -42,6 +44,7 @@ class RecvTotals:
     descriptors: int = 0
     seconds: float = 0.0
     durations: list[float] = dataclasses.field(default_factory=list)  # each load's, until taken for metrics
+    phases: dict[Phase, list[float]] = dataclasses.field(default_factory=dict)  # likewise, per phase
 
 
 class Receiver:
@@ -297,6 +300,7 @@ class Receiver:
             return
         if result is ClaimResult.GRANTED:
             task.fence_deadline = batch.sent_at + reply.hold_s * _FENCE_MARGIN
+            task.claim_s = now - batch.sent_at
         elif result is ClaimResult.PENDING and now < task.claim_deadline:
             task.claim_retry_at = now + _CLAIM_RETRY_S
         else:
@@ -347,16 +351,41 @@ class Receiver:
 
     def _complete(self, task: RecvTask) -> None:
         task.phase = RecvPhase.DONE
-        elapsed = self._clock() - task.started
+        now = self._clock()
+        elapsed = now - task.started
+        created = task.started if task.created is None else task.created
         t = self.totals
         t.transfers += 1
         t.bytes += task.num_bytes
         t.blocks += len(task.local_block_ids)
         t.descriptors += task.num_descriptors
         t.seconds += elapsed
-        if len(t.durations) < 10_000:  # bounded when nobody collects them
+        if len(t.durations) < _DURATIONS_CAP:
             t.durations.append(elapsed)
-        logger.debug("request %s: %d bytes in %.6f s", task.request_id, task.num_bytes, elapsed)
+        phases = {
+            Phase.QUEUE: task.queued_s,
+            Phase.HANDSHAKE: max(0.0, task.started - created),
+            Phase.READ: (task.read_done_at if task.read_done_at is not None else now) - task.started,
+            Phase.TOTAL: now - created,
+        }
+        if task.claim_s is not None:
+            phases[Phase.CLAIM] = task.claim_s
+        for phase, seconds in phases.items():
+            kept = t.phases.setdefault(phase, [])
+            if len(kept) < _DURATIONS_CAP:
+                kept.append(seconds)
+        # One line per transfer, key=value (the phases in ms; transfer = post until the load counted).
+        logger.info(
+            "kv load request=%s peer=%s:%s:%d remote_request=%s bytes=%d blocks=%d descriptors=%d %s transfer_ms=%.3f",
+            task.request_id,
+            *task.peer_key,
+            task.remote_request_id,
+            task.num_bytes,
+            len(task.local_block_ids),
+            task.num_descriptors,
+            " ".join(f"{p.value.removeprefix('load_')}_ms={v * 1e3:.3f}" for p, v in phases.items()),
+            elapsed * 1e3,
+        )
 
     def _fail_transfer(self, task: RecvTask, reason: FailReason, error: Exception) -> None:
         if task.ack is not None:

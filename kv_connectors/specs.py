@@ -22,6 +22,7 @@ class RecvSpec:
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
     report: bool = True
+    queued_s: float = 0.0  # how long the request waited in D's queue before this load was scheduled
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 _EARLY_NOTICE_TTL_S = 600.0
 # Keys of ended leases remembered so that a late claim is refused at once (not left to its deadline).
 _GONE_CAP = 100_000
+_DURATIONS_CAP = 10_000  # durations kept until taken for metrics (bounded when nobody collects them)
 
 
 @dataclasses.dataclass
@@ -23,6 +24,7 @@ class _Lease:
     block_ids: tuple[int, ...]
     deadline: float
     claims: dict[str, float] = dataclasses.field(default_factory=dict)  # consumer engine id -> claim deadline
+    created: float = 0.0
 
 
 class ClaimResult(enum.Enum):
@@ -66,6 +68,7 @@ class SendLeases:
         self.expired = 0
         self.claims_granted = 0
         self.claims_refused = 0
+        self.hold_seconds: list[float] = []  # each ended lease's hold, until taken for metrics (bounded)
 
     def add(self, key: str, request_id: str, block_ids: tuple[int, ...], now: float, lease_s: float) -> None:
         with self._lock:
@@ -77,7 +80,7 @@ class SendLeases:
                 self._finished_keys.add(key)
                 self.completed += 1
                 return
-            self._leases[key] = _Lease(request_id, tuple(block_ids), now + lease_s)
+            self._leases[key] = _Lease(request_id, tuple(block_ids), now + lease_s, created=now)
 
     def block_ids(self, key: str) -> tuple[int, ...] | None:
         with self._lock:
@@ -136,12 +139,22 @@ class SendLeases:
                 if any(until > now for until in lease.claims.values()):
                     return
                 del self._leases[key]
+                self._held(lease, now)
                 self._end(key, "released after the consumer read it")
                 self._finished.add(lease.request_id)
                 self._finished_keys.add(key)
                 self.completed += 1
             elif key not in self._finished_keys and key not in self._gone:
                 _put_bounded(self._early, key, now, self._gone_cap)  # keys come from peers
+
+    def _held(self, lease: _Lease, now: float) -> None:
+        if len(self.hold_seconds) < _DURATIONS_CAP:
+            self.hold_seconds.append(max(0.0, now - lease.created))
+
+    def take_hold_seconds(self) -> list[float]:
+        with self._lock:
+            out, self.hold_seconds = self.hold_seconds, []
+            return out
 
     def _end(self, key: str, why: str) -> None:
         _put_bounded(self._gone, key, why, self._gone_cap)
@@ -152,7 +165,9 @@ class SendLeases:
             expired_keys = [k for k, lease in self._leases.items() if lease.deadline <= now]
             expired = set()
             for key in expired_keys:
-                expired.add(self._leases.pop(key).request_id)
+                lease = self._leases.pop(key)
+                self._held(lease, now)
+                expired.add(lease.request_id)
                 self._end(key, "its lease expired before the consumer claimed it")
             self.expired += len(expired)
             for key in [key for key, t in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
@@ -261,6 +276,11 @@ class RecvTask:
     claim_retry_at: float = 0.0
     fence_deadline: float | None = None  # set once granted
     read_done_at: float | None = None
+    # Phase timings (kv_connectors.counters.Phase): when the load started, how long the request
+    # waited in D's queue before (from the scheduler), the claim's round trip once answered.
+    created: float | None = None
+    queued_s: float = 0.0
+    claim_s: float | None = None
 
     @property
     def key(self) -> TaskKey:

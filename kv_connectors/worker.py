@@ -16,6 +16,7 @@ import msgspec
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, Staging
+from kv_connectors.counters import Phase
 from kv_connectors.errors import KVConnectorError, TransportError
 from kv_connectors.layout import KVLayout
 from kv_connectors.logutil import RateLimitedLog
@@ -233,6 +234,8 @@ class WorkerEngine:
                     remote_block_ids=list(spec.remote_block_ids),
                     deadline=deadline,
                     started=now,
+                    created=now,
+                    queued_s=spec.queued_s,
                 )
             )
         for rid, reason in meta.reqs_failed.items():
@@ -295,6 +298,16 @@ class WorkerEngine:
             return []
         durations, self._receiver.totals.durations = self._receiver.totals.durations, []
         return durations
+
+    def take_phase_durations(self) -> dict[Phase, list[float]]:
+        """Each phase's durations since the last call (kv_connectors.counters.Phase), for histograms."""
+        if self._receiver is None or self._sender is None:
+            return {}
+        phases, self._receiver.totals.phases = self._receiver.totals.phases, {}
+        holds = self._sender.leases.take_hold_seconds()
+        if holds:
+            phases[Phase.LEASE_HOLD] = holds
+        return phases
 
     def _snapshot(self) -> wire.StatsReply:
         assert self._receiver is not None and self._sender is not None

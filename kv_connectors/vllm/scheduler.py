@@ -148,11 +148,13 @@ class SchedulerSide:
             return
         local = unhashed_block_ids(blocks)
         remote = rp.remote_block_ids[len(rp.remote_block_ids) - len(local) :] if rp.remote_block_ids else ()
+        arrived = getattr(request, "arrival_time", None)  # vLLM's wall-clock arrival (time.time())
         self._meta.reqs_to_recv[rid] = RecvSpec(
             peer_key=rp.peer_key,
             remote_request_id=rp.remote_request_id,
             local_block_ids=tuple(local),
             remote_block_ids=tuple(remote),
+            queued_s=max(0.0, time.time() - arrived) if isinstance(arrived, (int, float)) else 0.0,
         )
 
     def _release(self, rid: str, rp: RemotePrefill) -> None:

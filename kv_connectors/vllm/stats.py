@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from kv_connectors import wire
-from kv_connectors.counters import Kind, metrics
+from kv_connectors.counters import PHASE_HELP, Kind, Phase, metrics
 from kv_connectors.vllm.compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
 
 # Derived from the one definition (kv_connectors/counters.py), with their metric documentation.
@@ -16,21 +16,22 @@ COUNTERS: dict[str, str] = metrics(Kind.COUNTER)
 # Point-in-time values: the latest one wins.
 GAUGES: dict[str, str] = metrics(Kind.GAUGE)
 DURATIONS = "transfer_seconds"
+PHASES = "phases"  # {Phase value: [seconds]}: the per-phase histograms kvc:<phase>_seconds
 
 
 @dataclasses.dataclass
 class KvcStats(KVConnectorStats):
     """One interval of our counters: increments, latest gauges and each load's duration.
 
-    data = {"counters": {name: int}, "gauges": {name: int}, "transfer_seconds": [float]}:
-    plain containers, as vLLM sends it between processes."""
+    data = {"counters": {name: int}, "gauges": {name: int}, "transfer_seconds": [float],
+    "phases": {phase: [float]}}: plain containers, as vLLM sends it between processes."""
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"counters": dict.fromkeys(COUNTERS, 0), "gauges": {}, DURATIONS: []}
+        self.data = {"counters": dict.fromkeys(COUNTERS, 0), "gauges": {}, DURATIONS: [], PHASES: {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         counters = self.data["counters"]
@@ -38,6 +39,9 @@ class KvcStats(KVConnectorStats):
             counters[name] = counters.get(name, 0) + value
         self.data["gauges"].update(other.data.get("gauges", {}))
         self.data[DURATIONS].extend(other.data.get(DURATIONS, []))
+        phases = self.data.setdefault(PHASES, {})
+        for name, values in other.data.get(PHASES, {}).items():
+            phases.setdefault(name, []).extend(values)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -58,7 +62,12 @@ class KvcStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data["counters"].values()) and not self.data["gauges"] and not self.data[DURATIONS]
+        return (
+            not any(self.data["counters"].values())
+            and not self.data["gauges"]
+            and not self.data[DURATIONS]
+            and not any(self.data.get(PHASES, {}).values())
+        )
 
 
 class IntervalStats:
@@ -67,12 +76,15 @@ class IntervalStats:
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
 
-    def take(self, snapshot: wire.StatsReply, durations: list[float]) -> KvcStats | None:
+    def take(
+        self, snapshot: wire.StatsReply, durations: list[float], phases: dict[Phase, list[float]] | None = None
+    ) -> KvcStats | None:
         now = {name: getattr(snapshot, name) for name in (*COUNTERS, *GAUGES)}
         stats = KvcStats()
         stats.data["counters"] = {name: now[name] - self._last.get(name, 0) for name in COUNTERS}
         stats.data["gauges"] = {name: now[name] for name in GAUGES if now[name] != self._last.get(name, 0)}
         stats.data[DURATIONS] = list(durations)
+        stats.data[PHASES] = {phase.value: list(values) for phase, values in (phases or {}).items() if values}
         self._last = now
         return None if stats.is_empty() else stats
 
@@ -108,6 +120,15 @@ class KvcPromMetrics(KVConnectorPromMetrics):
             )
         )
 
+        self._phases = {
+            phase.value: self._per_engine(
+                self._histogram_cls(
+                    name=f"kvc:{phase.value}_seconds", documentation=PHASE_HELP[phase], buckets=buckets, labelnames=labelnames
+                )
+            )
+            for phase in Phase
+        }
+
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
@@ -120,3 +141,7 @@ class KvcPromMetrics(KVConnectorPromMetrics):
                 self._gauges[name][engine_idx].set(value)
         for seconds in transfer_stats_data.get(DURATIONS, []):
             self._durations[engine_idx].observe(seconds)
+        for name, values in transfer_stats_data.get(PHASES, {}).items():
+            if name in self._phases:
+                for seconds in values:
+                    self._phases[name][engine_idx].observe(seconds)

@@ -17,4 +17,4 @@ class WorkerSide(WorkerEngine):
 
     def take_interval_stats(self) -> KvcStats | None:
         """Counters since the last call, for vLLM's metrics (None when nothing changed)."""
-        return self._interval.take(self.stats, self.take_load_durations())
+        return self._interval.take(self.stats, self.take_load_durations(), self.take_phase_durations())

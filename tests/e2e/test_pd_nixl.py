@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
-from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, stats, wait_until
+from kvc_testing.cluster import generate, make_prompts, metric, output_ids, pd_server, stats, wait_until
 from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_foreign_kv_changes_output, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -58,3 +59,28 @@ def test_foreign_kv_changes_decode_output(reference, perturbed_model, decode_ser
     server = pd_server(perturbed_model, "kv_producer", name="P-perturbed", max_model_len=MAX_MODEL_LEN)
     with server:
         assert_foreign_kv_changes_output(reference, server, decode_server)
+
+
+def test_phase_histograms_move_and_add_up(prefill_server, decode_server, proxy):
+    """Per-phase histograms on real servers: each moves once per PD request, and the phases fit
+    inside the load (handshake + transfer = total; the read and the claim lie within the transfer)."""
+
+    d, p = decode_server.url, prefill_server.url
+    names = ("load_queue", "load_handshake", "load_claim", "load_read", "load_total", "transfer")
+
+    def sums() -> dict[str, tuple[float, float]]:
+        return {n: (metric(d, f"kvc:{n}_seconds_count"), metric(d, f"kvc:{n}_seconds_sum")) for n in names}
+
+    before, holds0 = sums(), metric(p, "kvc:lease_hold_seconds_count")
+    prompts = make_prompts([48, 200, 420], seed=11)
+    for prompt in prompts:
+        assert generate(proxy.url, prompt, 4).status_code == 200
+    wait_until(lambda: metric(d, "kvc:load_total_seconds_count") - before["load_total"][0] >= len(prompts), 10, "D's phases")
+    wait_until(lambda: metric(p, "kvc:lease_hold_seconds_count") - holds0 >= len(prompts), 10, "P's lease holds")
+    after = sums()
+    count = {n: after[n][0] - before[n][0] for n in names}
+    total = {n: after[n][1] - before[n][1] for n in names}
+    assert all(c == len(prompts) for c in count.values()), count
+    assert total["load_handshake"] + total["transfer"] == pytest.approx(total["load_total"], rel=1e-6, abs=1e-6)
+    assert total["load_read"] <= total["transfer"] + 1e-6 and total["load_claim"] <= total["transfer"] + 1e-6
+    assert all(v >= 0 for v in total.values()) and total["transfer"] > 0

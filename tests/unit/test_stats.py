@@ -60,3 +60,6 @@ def test_prometheus_metrics_follow_observations():
     assert value("kvc:pushes_total") == 1
     assert value("kvc:held_blocks") == 0
     assert value("kvc:transfer_seconds_count") == 2
+    prom.observe({"counters": {}, "gauges": {}, "transfer_seconds": [], "phases": {"load_queue": [0.5, 1.5], "lease_hold": [2.0]}})
+    assert (value("kvc:load_queue_seconds_count"), value("kvc:load_queue_seconds_sum")) == (2, 2.0)
+    assert value("kvc:lease_hold_seconds_sum") == 2.0 and value("kvc:load_claim_seconds_count") == 0

@@ -1,0 +1,71 @@
+"""Per-phase timings of a transfer (kv_connectors.counters.Phase), over the memory transport with a
+fake clock: each phase measures what it says, and they add up to the load's total."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kv_connectors.counters import Phase
+from kv_connectors.specs import RecvSpec, StepMetadata
+from tests.unit.engine_harness import P_PORT, Cluster
+
+P_BLOCKS = (1, 2, 3)
+D_BLOCKS = (5, 6, 7)
+
+
+def _recv(c: Cluster, queued_s: float) -> None:
+    spec = RecvSpec(("P", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS, queued_s=queued_s)
+    c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_phases_of_one_load_add_up(mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    c = Cluster(d_extra={"mode": mode}, d_delay_s=0.05)  # D's transport: each transfer takes 50 ms
+    c.prefill_done("r1", P_BLOCKS)
+    c.clock.advance(0.2)
+    with caplog.at_level(logging.INFO, logger="kv_connectors.receiver"):
+        _recv(c, queued_s=0.3)
+        c.run(40, dt=0.01)
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving
+    phases = c.d.engine.take_phase_durations()
+    (transfer,) = c.d.engine.take_load_durations()
+    one = {phase: values[0] for phase, values in phases.items() if len(values) == 1}
+    assert set(one) == set(phases), phases
+    assert one[Phase.QUEUE] == 0.3  # from the scheduler, as given
+    assert one[Phase.TOTAL] == pytest.approx(one[Phase.HANDSHAKE] + transfer)
+    if mode == "pull":
+        assert 0.05 - 1e-9 <= one[Phase.READ] <= transfer  # D's 50 ms read, inside the transfer
+        assert 0 <= one[Phase.CLAIM] <= transfer
+    else:
+        assert Phase.CLAIM not in one  # push is fenced on P's side: no claim round trip
+        assert 0 < one[Phase.READ] <= transfer + 1e-9  # push request until P's notice (P writes)
+    # P: blocks held from the end of the prefill until D's notice.
+    (hold,) = c.p.engine.take_phase_durations()[Phase.LEASE_HOLD]
+    assert 0.2 <= hold <= 0.2 + 0.4
+    assert c.d.engine.take_phase_durations() == {} and c.p.engine.take_phase_durations() == {}  # taken once
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv load request=d1 ")]
+    for key in ("bytes=", "blocks=3", "queue_ms=300.000", "handshake_ms=", "read_ms=", "total_ms=", "transfer_ms="):
+        assert key in line, line
+
+
+def test_an_expired_lease_records_its_hold() -> None:
+    c = Cluster()
+    c.prefill_done("r1", P_BLOCKS)
+    c.clock.advance(6)  # past P's 5 s lease
+    c.p.step()
+    assert c.p.finished_sending == {"r1"}
+    (hold,) = c.p.engine.take_phase_durations()[Phase.LEASE_HOLD]
+    assert hold == pytest.approx(6.0)
+
+
+def test_a_failed_load_records_no_phases() -> None:
+    c = Cluster()
+    c.prefill_done("r1", P_BLOCKS)
+    c.clock.advance(6)
+    c.p.step()
+    _recv(c, queued_s=0.1)
+    c.run(10, dt=0.01)
+    assert c.d.failed_recving == {"d1"}
+    assert c.d.engine.take_phase_durations() == {}
