@@ -127,25 +127,41 @@ def assert_dead_producer_fails_fast(reference, doomed_producer, prefill_server, 
     wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks")
 
 
-def transfer_id_generate(prefill_server, decode_server, prompt, max_tokens: int, d_first_s: float = 0.0):
+def transfer_id_generate(prefill_server, decode_server, prompt, max_tokens: int, d_first: bool = False):
     """The transfer-id flow without a proxy: P and D get the request at once, both carrying one
-    transfer id; D also gets P's side channel. d_first_s > 0 sends D that much earlier, so that
-    its push request is at P before P computes (layer-wise push). Returns (P's, D's) responses."""
+    transfer id; D also gets P's side channel. With d_first, P gets its request only once D's
+    scheduler holds D's (waiting for remote KV): D's worker sends its push request in that same
+    step, so it is at P before P computes (layer-wise push), however slow D is to get there.
+    Returns (P's, D's) responses."""
     p_params, d_params = transfer_id_params(prefill_server)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         d_future = pool.submit(generate, decode_server.url, prompt, max_tokens, kv_transfer_params=d_params)
-        if d_first_s:
-            time.sleep(d_first_s)
+        if d_first:
+            wait_until(
+                lambda: d_future.done() or metric(decode_server.url, "vllm:num_requests_waiting") >= 1,
+                60,
+                "D to queue its request",
+                interval=0.02,
+            )
+            time.sleep(_PUSH_REQUEST_S)
         p_future = pool.submit(generate, prefill_server.url, prompt, 1, kv_transfer_params=p_params)
         return p_future.result(), d_future.result()
 
 
-def assert_transfer_id_flow_matches(reference, prefill_server, decode_server, prompts, d_first_s: float = 0.0):
+# D's push request leaves in the worker step that queued the request (handshake cached by a warm-up)
+# and crosses one local socket: well under this, which only covers the /metrics scrape's lag.
+_PUSH_REQUEST_S = 0.2
+
+
+def assert_transfer_id_flow_matches(reference, prefill_server, decode_server, prompts, d_first: bool = False):
     """Greedy output equals colocated for every prompt sent the transfer-id way; D loaded each
     prompt, P pushed each (layer-wise when D asked first) and freed every block."""
+    if d_first:  # D hand-shakes with P now, so that no prompt's push request waits for a handshake
+        transfer_id_generate(prefill_server, decode_server, prompts[0], 1)
+        wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the warm-up's blocks")
     p0, d0 = stats(prefill_server), stats(decode_server)
     for prompt in prompts:
-        p_resp, d_resp = transfer_id_generate(prefill_server, decode_server, prompt, MAX_TOKENS, d_first_s)
+        p_resp, d_resp = transfer_id_generate(prefill_server, decode_server, prompt, MAX_TOKENS, d_first)
         assert p_resp.status_code == 200, p_resp.text[:300]
         assert output_ids(d_resp) == output_ids(generate(reference.url, prompt, MAX_TOKENS)), len(prompt)
     d1 = stats(decode_server)
@@ -155,6 +171,6 @@ def assert_transfer_id_flow_matches(reference, prefill_server, decode_server, pr
     p1 = stats(prefill_server)
     assert p1.pushes - p0.pushes == len(prompts) and p1.push_failures == p0.push_failures
     assert p1.expired_leases == p0.expired_leases
-    if d_first_s:
+    if d_first:
         assert p1.layerwise_pushes - p0.layerwise_pushes == len(prompts), "D asked first, yet P did not push layer-wise"
     return p1.layerwise_pushes - p0.layerwise_pushes

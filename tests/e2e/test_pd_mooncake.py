@@ -72,7 +72,7 @@ def test_mooncake_transfer_id_flow_through_proxy_and_layerwise_push(reference, m
         p0 = stats(mc_prefill)
         assert_pd_matches_colocated(reference, mc_prefill, mc_decode, proxy, prompts=fresh_prompts(12))
         assert stats(mc_prefill).pushes - p0.pushes == len(PROMPTS), "P did not push every prompt"
-    assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[-4:], d_first_s=1.0)
+    assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[-4:], d_first=True)
 
 
 def test_mooncake_foreign_kv_changes_decode_output(reference, perturbed_model, mc_decode):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from kv_connectors import sidechannel, wire
 from kvc_testing.cluster import (
     ENTRY_POINT_FORM,
     ProxyProcess,
@@ -21,6 +21,7 @@ from kvc_testing.cluster import (
 from kvc_testing.procs import VllmServer
 from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_dead_producer_fails_fast, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
+from tests.e2e.test_hostile_input import _server_hash
 
 
 @pytest.fixture(scope="module")
@@ -55,26 +56,42 @@ def test_push_producer_killed_before_it_writes(tiny_model, reference, prefill_se
     assert_dead_producer_fails_fast(reference, doomed, prefill_server, push_decode)
 
 
-def test_decode_killed_during_push_frees_producer_blocks(tiny_model, prefill_server):
-    """D dies while its request is in flight: P frees the blocks (write failed, or lease) and keeps serving."""
+def test_decode_killed_during_push_fails_the_write_and_frees_producer_blocks(tiny_model, prefill_server):
+    """D asks P to push, then dies before P's write lands: P's write fails (push_failures), P frees
+    the blocks then, not at lease expiry (expired_leases unchanged), and keeps serving.
+
+    The kill cannot be timed between D's push request and P's write (a few ms apart on one host), so
+    the test makes that order certain: D hand-shakes with P and completes one push (P is connected
+    to D's agent), dies, and then the push request D would have sent reaches P (the test sends it,
+    as D does, over P's side channel)."""
     doomed = pd_server(tiny_model, "kv_consumer", name="D-push-killed", max_model_len=MAX_MODEL_LEN, extra_config={"mode": "push"})
     with doomed:
         prompt = PROMPTS[20]
+        p0 = stats(prefill_server)
         params = prefill(prefill_server.url, prompt)
-        sender = threading.Thread(
-            target=lambda: _quietly(generate, doomed.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=30)
-        )
-        sender.start()
-        time.sleep(0.05)
-        doomed.stop(timeout=1)
-        sender.join(60)
-    # P's lease in the session fixture is the default 30 s; a failed write frees at once.
-    wait_until(lambda: stats(prefill_server).held_blocks == 0, 45, "P to free the blocks of the dead D")
+        assert output_ids(generate(doomed.url, prompt, MAX_TOKENS, kv_transfer_params=params))
+        wait_until(lambda: stats(prefill_server).pushes == p0.pushes + 1, 10, "P to push to the doomed D")
+        d_engine = stats(doomed).engine_id
+        params = prefill(prefill_server.url, PROMPTS[21])
+        doomed.stop(timeout=5)
+    p1 = stats(prefill_server)
+    assert p1.held_blocks >= len(params["remote_block_ids"]) > 0
+    push = wire.PushRequest(
+        producer_request_id=params["remote_request_id"],
+        consumer_engine_id=d_engine,
+        consumer_agent=f"{d_engine}-rank0",
+        consumer_request_id="dead-d-request",
+        block_ids=list(range(1, len(params["remote_block_ids"]) + 1)),
+    )
+    port = prefill_server.side_channel_port  # type: ignore[attr-defined]
+    ack = sidechannel.request("127.0.0.1", port, push, _server_hash(port), 5.0)
+    assert isinstance(ack, wire.PushAck) and ack.accepted, ack
+    # P's lease is the default 30 s and its write is held past it: only a failed write frees earlier.
+    t0 = time.monotonic()
+    wait_until(lambda: stats(prefill_server).push_failures == p1.push_failures + 1, 35, "P's write into the dead D to fail")
+    wait_until(lambda: stats(prefill_server).held_blocks <= p1.held_blocks - len(params["remote_block_ids"]), 10, "P to free them")
+    p2 = stats(prefill_server)
+    assert p2.expired_leases == p1.expired_leases, "the blocks were freed by lease expiry, not by the failed write"
+    assert p2.pushes == p1.pushes
+    print(f"P's write into the dead D failed after {time.monotonic() - t0:.1f} s")
     assert output_ids(generate(prefill_server.url, prompt, 4))
-
-
-def _quietly(fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except Exception:  # the server is killed under the request: any outcome is fine here
-        pass

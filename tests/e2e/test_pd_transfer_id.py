@@ -48,7 +48,7 @@ def test_transfer_id_flow_without_proxy(reference, prefill_server, decode_server
 
 def test_layerwise_push_when_decode_asks_first(reference, prefill_server, decode_server):
     """D's push request is at P before P computes: every layer is written as soon as it is computed."""
-    assert_transfer_id_flow_matches(reference, prefill_server, decode_server, PROMPTS[-6:], d_first_s=1.0)
+    assert_transfer_id_flow_matches(reference, prefill_server, decode_server, PROMPTS[-6:], d_first=True)
 
 
 def test_decode_whose_prefill_never_comes_fails_within_deadline(reference, prefill_server, decode_server):

@@ -3,6 +3,7 @@ channel) with a clock the test moves: each state-machine path runs deterministic
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 from kv_connectors import wire
 from kv_connectors.config import parse_config
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
-from kv_connectors.transports.memory import MemoryFabric, MemoryTransport, host_layout
+from kv_connectors.transports.memory import MemoryClient, MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.worker import WorkerEngine
 
 NUM_BLOCKS = 16
@@ -45,11 +46,48 @@ def compat_for(layout: Any) -> wire.CompatInfo:
     )
 
 
+class HeldClient:
+    """A node's side-channel client whose answers the test can hold back: with `holding` set, the
+    peer handles each request at once (as over a real socket) but the answer reaches the caller only
+    at `deliver()` (a slow network on the way back)."""
+
+    def __init__(self, inner: MemoryClient) -> None:
+        self._inner = inner
+        self.holding = False
+        self._held: list[tuple[concurrent.futures.Future[wire.Body], concurrent.futures.Future[wire.Body]]] = []
+
+    def submit(
+        self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
+    ) -> concurrent.futures.Future[wire.Body]:
+        answered = self._inner.submit(host, port, body, compat_hash, timeout_s)
+        if not self.holding:
+            return answered
+        late: concurrent.futures.Future[wire.Body] = concurrent.futures.Future()
+        self._held.append((answered, late))
+        return late
+
+    def deliver(self) -> int:
+        """Hand every held answer to its caller; returns how many were held."""
+        held, self._held = self._held, []
+        for answered, late in held:
+            if late.cancelled() or not answered.done():
+                continue
+            if answered.exception() is not None:
+                late.set_exception(answered.exception())  # type: ignore[arg-type]
+            else:
+                late.set_result(answered.result())
+        return len(held)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 @dataclasses.dataclass
 class Node:
     engine: WorkerEngine
     kv: np.ndarray  # (regions, blocks, words)
     transport: MemoryTransport
+    client: HeldClient
     finished_sending: set[str] = dataclasses.field(default_factory=set)
     finished_recving: set[str] = dataclasses.field(default_factory=set)
     failed_recving: set[str] = dataclasses.field(default_factory=set)
@@ -100,10 +138,11 @@ class Cluster:
             made.append(MemoryTransport(name, self.fabric, delay_s=delay_s))
             return made[-1]
 
-        engine = WorkerEngine(cfg, 0, make, "memory", serve=self.fabric.serve, client=self.fabric.client(), clock=self.clock)
+        client = HeldClient(self.fabric.client())
+        engine = WorkerEngine(cfg, 0, make, "memory", serve=self.fabric.serve, client=client, clock=self.clock)
         # Each region is one "layer" (layer-wise push writes a layer's regions as it is computed).
         engine.register(layout, compat_for(layout), layer_regions={"layer.0": (0,), "layer.1": (1,)})
-        return Node(engine, kv, made[-1])
+        return Node(engine, kv, made[-1], client)
 
     def add_consumer(self, engine_id: str = "D2", port: int = D2_PORT, extra: dict | None = None) -> Node:
         return self._node(
