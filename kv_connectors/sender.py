@@ -148,6 +148,12 @@ class Sender:
             self._cancelled[key] = (reason, now)
             self.leases.notice(key, now)
 
+    def take_requests(self) -> None:
+        """Act on what the side channel queued (handshakes connect consumers, push requests wait for
+        their lease). The worker calls this before reading the transport's notifications, so that a
+        consumer that just hand-shook is known when its first staged message arrives."""
+        self._drain_inbox(self._clock())
+
     def progress(self) -> None:
         now = self._clock()
         self._drain_inbox(now)

@@ -247,6 +247,7 @@ class WorkerEngine:
         """Advance both sides; notices meant for the sender (blocks D is done with) are kept
         until take_results."""
         assert self._receiver is not None and self._sender is not None and self._transport is not None
+        self._sender.take_requests()  # connect consumers first: their messages may be in this batch
         for _agent, msg in self._transport.get_notifs():
             try:
                 body = wire.decode(msg, self._hash)

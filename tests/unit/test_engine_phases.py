@@ -15,7 +15,7 @@ from kv_connectors import wire
 from kv_connectors.config import parse_config
 from kv_connectors.errors import TransportError
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
-from kv_connectors.state import SendLeases
+from kv_connectors.state import RecvKind, SendLeases
 from kv_connectors.transports.base import MemoryKind
 from kv_connectors.transports.memory import MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.worker import WorkerEngine
@@ -449,7 +449,7 @@ def test_closing_d_releases_its_read_in_flight():
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(2)
-    handle = c.d.engine._receiver._tasks["d1"].handle
+    handle = c.d.engine._receiver._tasks[(RecvKind.LOAD, "d1")].xfer
     c.d.engine.close()
     assert ("127.0.0.1", 7002) not in c.fabric.servers and "D-rank0" not in c.fabric.agents
     c.clock.advance(2)
@@ -593,13 +593,10 @@ def test_staged_pull_moves_the_bytes_through_the_bounded_pool():
         assert 0 < s.staging_peak_bytes <= 2048
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: WorkerEngine._progress reads the transport's notifications before the sender "
-    "connects consumers queued by their handshake, so the staged READ's first Stage message from a "
-    "newly hand-shaken D is dropped ('unknown or gone peer') and D waits until its transfer timeout",
-)
 def test_first_staged_pull_after_the_handshake_completes():
+    """Once a bug: the worker read the transport's notifications before the sender connected the
+    consumers queued by their handshakes, so the first staged Stage from a new D was dropped and D
+    waited until its transfer timeout."""
     c = Cluster(p_extra=STAGED, d_extra=STAGED)
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
