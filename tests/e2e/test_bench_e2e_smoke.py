@@ -1,4 +1,4 @@
-"""benchmarks/bench_e2e.py end to end on the tiny model: ours and vLLM's built-in connector against colocated."""
+"""`python -m benchmarks.bench_e2e` end to end on the tiny model: ours and vLLM's built-in connector against colocated."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(600)
 def test_bench_e2e_reports_every_config_with_matching_outputs():
     argv = [
         sys.executable,
-        str(ROOT / "benchmarks" / "bench_e2e.py"),
+        "-m",
+        "benchmarks.bench_e2e",
         "--configs",
         "ours-nixl-pull,builtin-nixl",
         "--lengths",

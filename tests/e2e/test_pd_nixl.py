@@ -84,3 +84,14 @@ def test_phase_histograms_move_and_add_up(prefill_server, decode_server, proxy):
     assert total["load_handshake"] + total["transfer"] == pytest.approx(total["load_total"], rel=1e-6, abs=1e-6)
     assert total["load_read"] <= total["transfer"] + 1e-6 and total["load_claim"] <= total["transfer"] + 1e-6
     assert all(v >= 0 for v in total.values()) and total["transfer"] > 0
+
+
+def test_dashboard_metrics_are_exported(prefill_server, decode_server, proxy):
+    """Every sample the example Grafana dashboard queries is on P's, D's or the proxy's /metrics."""
+    from kvc_testing import dashboard
+
+    assert generate(proxy.url, PROMPTS[3], 4).status_code == 200  # the proxy's labelled series exist once used
+    pages = [httpx.get(f"{u}/metrics", timeout=10).text for u in (prefill_server.url, decode_server.url, proxy.url)]
+    exported = set().union(*(dashboard.exported(page) for page in pages))
+    missing = dashboard.sample_names(dashboard.load()) - exported
+    assert not missing, f"the dashboard queries metrics no server exports: {sorted(missing)}"

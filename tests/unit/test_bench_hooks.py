@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hooks.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_hooks_smoke():
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--requests", "8", "--steps", "2", "--prompt-len", "100", "--json"],
+        [sys.executable, "-m", "benchmarks.bench_hooks", "--requests", "8", "--steps", "2", "--prompt-len", "100", "--json"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
