@@ -275,7 +275,9 @@ class VllmServer(ManagedProcess):
         served_model_name: str | None = None,
         name: str | None = None,
         log_path: str | Path | None = None,
+        netns: str | None = None,
     ) -> None:
+        """netns: run in that network namespace (`ip netns exec`, which execs: same pid and group)."""
         self.model = str(model)
         self.host = host
         self.port = port if port is not None else free_port()
@@ -295,6 +297,8 @@ class VllmServer(ManagedProcess):
         if served_model_name:
             argv += ["--served-model-name", served_model_name]
         argv += [str(a) for a in extra_args]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
         env = self.default_env(cpu_bind, omp_threads, multiprocessing, pin)
         env.update(extra_env or {})
         super().__init__(argv, name=name or f"vllm-{self.port}", env=env, log_path=log_path)

@@ -1,0 +1,109 @@
+"""P and D on two "hosts": separate network namespaces joined by a bridge, UCX restricted to TCP,
+Mooncake on tcp, each side channel bound to and advertising its namespace's address. The proxy runs
+in the root namespace. Greedy-exact for NIXL and Mooncake, pull and push; cutting P's link fails a
+load within D's deadlines, and loads succeed again once the link is back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kv_connectors import sidechannel
+from kvc_testing import netns
+from kvc_testing.cluster import (
+    MODULE_FORM,
+    MOONCAKE_MODULE_FORM,
+    ProxyProcess,
+    generate,
+    make_prompts,
+    output_ids,
+    pd_server,
+    wait_until,
+)
+from kvc_testing.procs import VllmServer
+from tests.e2e.checks import MAX_TOKENS
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+pytestmark = pytest.mark.timeout(900)
+
+SIDE_CHANNEL_PORT = 5710  # the same on both hosts: each namespace has its own ports
+UCX_OVER_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+D_DEADLINES = {"handshake_timeout_s": 5, "transfer_timeout_s": 10}
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[netns.TwoHosts]:
+    why = netns.available()
+    assert why is None, why  # root and iproute2 are part of this project's machines (not a skip)
+    with netns.two_hosts() as h:
+        yield h
+
+
+def _server(model, host: netns.Host, role: str, form: dict, name: str, **extra) -> VllmServer:
+    return pd_server(
+        model,
+        role,
+        side_channel_port=SIDE_CHANNEL_PORT,
+        form=form,
+        name=name,
+        host=host.address,
+        netns=host.netns,
+        extra_env=UCX_OVER_TCP,
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"side_channel_host": host.address, **extra},
+    )
+
+
+def _stats(host: netns.Host):
+    return sidechannel.query_stats(host.address, SIDE_CHANNEL_PORT)
+
+
+def _exact_through_proxy(reference, p: VllmServer, d: VllmServer, hosts: netns.TwoHosts, prompts) -> None:
+    before = _stats(hosts.d)
+    with ProxyProcess([p.url], [d.url]) as proxy:
+        proxy.wait_ready()
+        for prompt in prompts:
+            expected = output_ids(generate(reference.url, prompt, MAX_TOKENS))
+            assert output_ids(generate(proxy.url, prompt, MAX_TOKENS)) == expected, f"prompt of {len(prompt)} tokens"
+    after = _stats(hosts.d)
+    assert after.recv_transfers - before.recv_transfers == len(prompts), "D did not load every prompt from P"
+    assert after.recv_bytes > before.recv_bytes and after.recv_failures == before.recv_failures
+    wait_until(lambda: _stats(hosts.p).held_blocks == 0, 15, "P to free the blocks D loaded")
+
+
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+def test_greedy_exact_across_hosts_pull_and_push(tiny_model, reference, hosts, transport):
+    form = MODULE_FORM if transport == "nixl" else MOONCAKE_MODULE_FORM
+    p = _server(tiny_model, hosts.p, "kv_producer", form, f"P-{transport}-netns")
+    pull = _server(tiny_model, hosts.d, "kv_consumer", form, f"D-{transport}-pull-netns", mode="pull", **D_DEADLINES)
+    push = _server(tiny_model, hosts.d, "kv_consumer", form, f"D-{transport}-push-netns", mode="push", **D_DEADLINES)
+    with p:
+        with pull:
+            _exact_through_proxy(reference, p, pull, hosts, make_prompts([40, 150, 333], seed=21))
+        with push:  # the same P serves a D that asks it to write
+            _exact_through_proxy(reference, p, push, hosts, make_prompts([60, 200], seed=22))
+
+
+def test_cut_link_fails_the_load_within_the_deadlines_and_recovers(tiny_model, reference, hosts):
+    p = _server(tiny_model, hosts.p, "kv_producer", MODULE_FORM, "P-cut-netns", lease_s=5)
+    d = _server(tiny_model, hosts.d, "kv_consumer", MODULE_FORM, "D-cut-netns", **D_DEADLINES)
+    with p, d:
+        _exact_through_proxy(reference, p, d, hosts, make_prompts([100], seed=23))  # connected before the cut
+        prompt = make_prompts([180], seed=24)[0]
+        params = generate(p.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
+        hosts.p.cut()
+        try:
+            started = time.monotonic()
+            r = generate(d.url, prompt, MAX_TOKENS, timeout=120, kv_transfer_params=params)
+            elapsed = time.monotonic() - started
+            assert r.status_code != 200 or "error" in r.text.lower(), f"D answered a load it could not do: {r.text[:300]}"
+            budget = D_DEADLINES["handshake_timeout_s"] + D_DEADLINES["transfer_timeout_s"] + 10
+            assert elapsed < budget, f"D took {elapsed:.1f} s to fail the load (deadlines allow {budget} s)"
+            assert _stats(hosts.d).recv_failures >= 1
+        finally:
+            hosts.p.restore()
+        # P frees the unread blocks at its lease; loads work again over the restored link.
+        wait_until(lambda: _stats(hosts.p).held_blocks == 0, 30, "P to free the blocks after the lease")
+        _exact_through_proxy(reference, p, d, hosts, make_prompts([90, 260], seed=25))
