@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing as mp
 import os
+import socket
 import statistics
 import time
 from typing import Any
@@ -140,6 +142,42 @@ def memcpy_gbps(nbytes: int, repeat: int) -> list[float]:
     return out
 
 
+def _tcp_sender(port: int, nbytes: int, repeat: int) -> None:
+    """The other process of the raw TCP baseline: sends nbytes, repeat times, from one buffer."""
+
+    data = memoryview(np.full(nbytes, 7, dtype=np.uint8))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(repeat):
+            s.sendall(data)
+            s.recv(1)  # the receiver's go-ahead: each repeat is timed alone
+
+
+def tcp_gbps(nbytes: int, repeat: int) -> list[float]:
+    """The same bytes over a plain TCP socket on loopback between two processes (sendall/recv_into):
+    what the wire path alone delivers here, the yardstick for transports restricted to TCP."""
+
+    ctx = mp.get_context("spawn")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        proc = ctx.Process(target=_tcp_sender, args=(server.getsockname()[1], nbytes, repeat), daemon=True)
+        proc.start()
+        server.settimeout(60)
+        conn, _ = server.accept()
+        buf = memoryview(np.zeros(nbytes, dtype=np.uint8))
+        out = []
+        with conn:
+            for _ in range(repeat):
+                got, t0 = 0, time.perf_counter()
+                while got < nbytes:
+                    n = conn.recv_into(buf[got:], nbytes - got)
+                    if n == 0:
+                        raise SystemExit("raw TCP baseline: the sender closed early")
+                    got += n
+                out.append(nbytes / (time.perf_counter() - t0) / 1e9)
+                conn.sendall(b"k")
+        proc.join(30)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = Shape(args.size_mib, args.block_kib, args.layers)
     shape.check()
@@ -191,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notifs = wait_notifs(p, expected=args.repeat + 1)
         gbps = [plan.total_bytes / s / 1e9 for s in secs]
         mem = memcpy_gbps(plan.total_bytes, args.repeat)
+        tcp = tcp_gbps(plan.total_bytes, args.repeat) if args.tcp_baseline else []
         return {
             "transport": args.transport,
             "op": "WRITE" if push else "READ",
@@ -211,6 +250,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "memcpy_gbps_best": round(max(mem), 3),
             "memcpy": "numpy.copyto of one contiguous buffer (single-thread memcpy)",
             "ratio": round(statistics.median(gbps) / statistics.median(mem), 3),
+            **(
+                {
+                    "tcp_gbps": round(statistics.median(tcp), 3),
+                    "tcp_gbps_best": round(max(tcp), 3),
+                    "ratio_tcp": round(statistics.median(gbps) / statistics.median(tcp), 3),
+                }
+                if tcp
+                else {}
+            ),
             "xfer_ms": round(statistics.median(secs) * 1e3, 3),
             "memcpy_ms": round(plan.total_bytes / statistics.median(mem) / 1e6, 3),
             "latency_us_1block": round(statistics.median(lat) * 1e6, 1) if lat else None,
@@ -248,6 +296,8 @@ def report(r: dict[str, Any]) -> None:
     print(f"transport: best {r['gbps_best']:.2f} GB/s, median {r['gbps']:.2f} GB/s over {r['repeat']} repeats (bytes verified)")
     print(f"memcpy, {r['memcpy']}: best {r['memcpy_gbps_best']:.2f}, median {r['memcpy_gbps']:.2f} GB/s")
     print(f"ratio transport/memcpy (medians): {r['ratio']:.3f}")
+    if "tcp_gbps" in r:
+        print(f"raw TCP loopback (two processes, sendall/recv_into): median {r['tcp_gbps']:.2f} GB/s; ratio {r['ratio_tcp']:.3f}")
     if r["staging"]:
         print(
             f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak {r['pool_peak_slots']} slots in use (D)"
@@ -290,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool-mib", type=int, default=32, help="staging only: host pool size")
     ap.add_argument("--chunk-kib", type=int, default=1024, help="staging only: chunk (pool slot) size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tcp-baseline", action="store_true", help="also time the same bytes over a plain TCP socket (ratio_tcp)")
     ap.add_argument(
         "--sweep",
         action="store_true",
