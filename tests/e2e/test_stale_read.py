@@ -115,11 +115,12 @@ def test_heartbeats_keep_the_kv_of_a_request_queued_for_3x_the_lease(reference, 
     expected = output_ids(generate(reference.url, prompt, MAX_TOKENS))
     fillers = make_prompts([8] * 12, seed=82)
     p0, d0 = stats(short_lease_prefill), stats(one_seq_decode)
-    params = prefill(short_lease_prefill.url, prompt)
     with concurrent.futures.ThreadPoolExecutor(len(fillers) + 1) as pool:
         # D busy with long generations, one at a time: the PD request waits behind them.
         busy = [pool.submit(generate, one_seq_decode.url, f, MAX_MODEL_LEN - 16, 300, ignore_eos=True) for f in fillers]
         time.sleep(0.5)
+        # As a proxy does: D gets the request as soon as P answered (P's lease starts there).
+        params = prefill(short_lease_prefill.url, prompt)
         t0 = time.monotonic()
         r = pool.submit(generate, one_seq_decode.url, prompt, MAX_TOKENS, 300, kv_transfer_params=params).result()
         waited = time.monotonic() - t0
