@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kv_connectors.config import ConnectorConfig, check_parallelism, parse_config
+from kv_connectors.config import TRANSPORT_DEFAULTS, ConnectorConfig, check_parallelism, parse_config
 from kv_connectors.errors import ConfigError
 from kv_connectors.transports import require_transport
 
@@ -34,7 +34,6 @@ _OURS: dict[tuple[str, str], str] = {
     ("KvcNixlConnector", ""): "nixl",
     ("KvcMooncakeConnector", ""): "mooncake",
 }
-_DEFAULTS: dict[str, dict[str, Any]] = {"nixl": {}, "mooncake": {"mode": "push"}}  # as the connector classes
 _RDMA_SYSFS = Path("/sys/class/infiniband")
 
 
@@ -69,7 +68,7 @@ def check_transfer_config(
     if not isinstance(extra, dict):
         raise ConfigError("kv_connector_extra_config must be a JSON object")
     engine_id = transfer_config.get("engine_id") or "check-config"  # vLLM makes one up when absent
-    cfg = parse_config(str(engine_id), transfer_config.get("kv_role"), extra, _DEFAULTS[kind])
+    cfg = parse_config(str(engine_id), transfer_config.get("kv_role"), extra, TRANSPORT_DEFAULTS[kind])
     require_transport(kind)
     return kind, cfg
 

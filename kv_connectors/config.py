@@ -173,6 +173,10 @@ _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))
 
+# Each transport's own defaults for some keys (overridden by kv_connector_extra_config): Mooncake
+# pushes. Read by the connector classes and by `kv-connectors check-config`.
+TRANSPORT_DEFAULTS: dict[str, dict[str, Any]] = {"nixl": {}, "mooncake": {"mode": "push"}}
+
 # Drop-in for vLLM's built-in NixlConnector: a switching user keeps the launch script and extra
 # config that worked there. Its side-channel environment variables are our defaults (our config keys
 # still win); its extra-config keys are mapped to ours, or accepted with a warning where they have

@@ -92,6 +92,9 @@ def metrics(kind: Kind) -> dict[str, str]:
     return {c.name: c.help for c in COUNTERS if c.kind is kind and c.metric}
 
 
+DURATIONS_CAP = 10_000  # durations kept per kind until taken for metrics (bounded when nobody takes them)
+
+
 class Phase(enum.Enum):
     """Durations kept per transfer, each a `kvc:<value>_seconds` histogram. D's phases of one load:
     queue (arrival at D until the load starts), handshake (load start until the read or push

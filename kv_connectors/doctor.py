@@ -19,7 +19,6 @@ import platform
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from kv_connectors.config import ConnectorConfig, Role
 from kv_connectors.errors import KVConnectorError
 from kv_connectors.layout import KVLayout, Region
 from kv_connectors.plan import plan_transfer
-from kv_connectors.transports import create_transport, require_transport
+from kv_connectors.transports import create_transport, require_transport, ucx_on_loopback
 from kv_connectors.transports.base import Transport, XferState
 from kv_connectors.transports.memory import host_layout
 
@@ -184,7 +183,7 @@ def probe(kind: str, staged: bool, nbytes: int = _PROBE_BYTES, seconds: float = 
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=_peer, args=(theirs, kind, staged, nbytes), daemon=True)
     t: Transport | None = None
-    with _loopback():
+    with ucx_on_loopback():
         proc.start()
     try:
         if not mine.poll(60):
@@ -235,18 +234,6 @@ def probe(kind: str, staged: bool, nbytes: int = _PROBE_BYTES, seconds: float = 
         if proc.is_alive():
             proc.kill()
             proc.join(5)
-
-
-@contextlib.contextmanager
-def _loopback() -> Iterator[None]:
-    """The probe's peer is on this host: UCX on loopback unless the user chose devices."""
-    old = os.environ.get("UCX_NET_DEVICES")
-    os.environ["UCX_NET_DEVICES"] = old or "lo"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("UCX_NET_DEVICES", None)
 
 
 # The recommendation ----------------------------------------------------------------------------

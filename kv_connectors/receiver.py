@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, TransferMode
-from kv_connectors.counters import Phase
+from kv_connectors.counters import DURATIONS_CAP, Phase
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import plan_transfer
@@ -19,7 +19,6 @@ from kv_connectors.transports.base import Transport, XferState
 logger = logging.getLogger(__name__)
 
 PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, port)
-_DURATIONS_CAP = 10_000  # durations kept until taken for metrics (bounded when nobody collects them)
 _CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its next step): ask again
 _FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly different rates
 
@@ -360,7 +359,7 @@ class Receiver:
         t.blocks += len(task.local_block_ids)
         t.descriptors += task.num_descriptors
         t.seconds += elapsed
-        if len(t.durations) < _DURATIONS_CAP:
+        if len(t.durations) < DURATIONS_CAP:
             t.durations.append(elapsed)
         phases = {
             Phase.QUEUE: task.queued_s,
@@ -372,7 +371,7 @@ class Receiver:
             phases[Phase.CLAIM] = task.claim_s
         for phase, seconds in phases.items():
             kept = t.phases.setdefault(phase, [])
-            if len(kept) < _DURATIONS_CAP:
+            if len(kept) < DURATIONS_CAP:
                 kept.append(seconds)
         # One line per transfer, key=value (the phases in ms; transfer = post until the load counted).
         logger.info(

@@ -8,6 +8,8 @@ import enum
 import threading
 from typing import TYPE_CHECKING, Any
 
+from kv_connectors.counters import DURATIONS_CAP
+
 if TYPE_CHECKING:
     from kv_connectors.wire import Body
 
@@ -15,7 +17,6 @@ if TYPE_CHECKING:
 _EARLY_NOTICE_TTL_S = 600.0
 # Keys of ended leases remembered so that a late claim is refused at once (not left to its deadline).
 _GONE_CAP = 100_000
-_DURATIONS_CAP = 10_000  # durations kept until taken for metrics (bounded when nobody collects them)
 
 
 @dataclasses.dataclass
@@ -148,7 +149,7 @@ class SendLeases:
                 _put_bounded(self._early, key, now, self._gone_cap)  # keys come from peers
 
     def _held(self, lease: _Lease, now: float) -> None:
-        if len(self.hold_seconds) < _DURATIONS_CAP:
+        if len(self.hold_seconds) < DURATIONS_CAP:
             self.hold_seconds.append(max(0.0, now - lease.created))
 
     def take_hold_seconds(self) -> list[float]:

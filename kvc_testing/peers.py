@@ -31,7 +31,7 @@ from kv_connectors.config import ConnectorConfig, Role
 from kv_connectors.errors import TransportError
 from kv_connectors.layout import KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import plan_transfer
-from kv_connectors.transports import create_transport
+from kv_connectors.transports import create_transport, ucx_on_loopback
 from kv_connectors.transports.base import MemoryKind, Transport, XferState
 
 logger = logging.getLogger(__name__)
@@ -578,16 +578,7 @@ def peer_starter(kind: str, wait_s: float) -> Iterator[Callable[..., Peer]]:
         stop_peers(peers)
 
 
-@contextlib.contextmanager
-def loopback_env() -> Iterator[None]:
-    """UCX on loopback (spawned peers inherit it); a value already set is kept."""
-    old = os.environ.get("UCX_NET_DEVICES")
-    os.environ["UCX_NET_DEVICES"] = old or "lo"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("UCX_NET_DEVICES", None)
+loopback_env = ucx_on_loopback  # UCX on loopback (spawned peers inherit it); a value already set is kept
 
 
 # The caller's own transport ------------------------------------------------------------------

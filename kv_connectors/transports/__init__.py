@@ -5,8 +5,10 @@ Engines are imported lazily, so naming one that is not installed says which extr
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kv_connectors.config import ConnectorConfig
@@ -64,3 +66,16 @@ def _engine(module: str, cls: str, extra: str) -> Callable[..., Transport]:
         return factory
     except ImportError as e:
         raise ConfigError(f"the {extra} transport needs `pip install kv-connectors[{extra}]`: {e}") from e
+
+
+@contextlib.contextmanager
+def ucx_on_loopback() -> Iterator[None]:
+    """Peers on this host (probes, tests, benchmarks): UCX on loopback while inside, for this
+    process and the ones it spawns; a UCX_NET_DEVICES the user set is kept."""
+    old = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = old or "lo"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("UCX_NET_DEVICES", None)

@@ -216,4 +216,4 @@ class MooncakeConnector(KVConnector):
     """KV transfer over the Mooncake Transfer Engine (P2PHANDSHAKE, tcp or rdma); P pushes by default."""
 
     transport_name = "mooncake"
-    default_extra_config: ClassVar[dict[str, Any]] = {"mode": "push"}
+    default_extra_config: ClassVar[dict[str, Any]] = config.TRANSPORT_DEFAULTS["mooncake"]
