@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,22 +33,40 @@ _atexit_registered = False
 
 
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 when asked (bind to port 0)."""
+    """A TCP port that was free on 127.0.0.1 when asked, outside the kernel's ephemeral range."""
     return free_ports(1)[0]
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports; all sockets are held open together so none repeats."""
-    socks: list[socket.socket] = []
+def _ephemeral_low() -> int:
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_ports = random.Random()
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now, drawn below the kernel's ephemeral range: a port
+    the kernel hands out (bind to port 0, outgoing connections, engines' own listeners) can then
+    never take one between this check and the child's bind (that race failed a server start)."""
+    high = _ephemeral_low() - 1
+    out: list[int] = []
+    for _ in range(10_000):
+        if len(out) == n:
+            return out
+        port = _ports.randint(10_000, high)
+        if port in out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+    raise RuntimeError(f"no {n} free ports in 10000..{high}")
 
 
 def _set_parent_death_signal() -> None:
