@@ -84,7 +84,7 @@ class ConnectorConfig:
         return self.side_channel_bind_host or self.side_channel_host
 
     def side_channel_port_for_rank(self, rank: int) -> int:
-        """Each tensor-parallel worker listens on base port + rank."""
+        """Each tensor-parallel worker listens on base port + rank (peers find rank r there too)."""
         return self.side_channel_port + rank
 
 
@@ -232,15 +232,17 @@ def _from_builtin(extra: dict[str, Any], environ: Mapping[str, str]) -> dict[str
 
 
 def check_parallelism(tensor_parallel_size: int, pipeline_parallel_size: int, connector: str) -> None:
-    """Tensor and pipeline parallelism are refused at start-up: a rank > 0 would read another
-    rank's heads (TP) or layers (PP), and answer with wrong tokens. Refused, never served wrong."""
+    """Pipeline parallelism is refused at start-up: a stage would read another stage's layers and
+    answer with wrong tokens. Tensor parallelism is served rank to rank: each rank hands off its
+    own heads, and a peer of another TP size is refused per request (never served wrong)."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    if tp > 1 or pp > 1:
+    if tp < 1:
+        raise ConfigError(f"{connector}: tensor_parallel_size must be >= 1, got {tp}")
+    if pp > 1:
         raise ConfigError(
-            f"{connector} supports tensor_parallel_size 1 and pipeline_parallel_size 1 only (this instance: "
-            f"{tp} and {pp}): with more ranks each would need its own slice of the peer's KV cache, which is "
-            "not implemented yet. Run prefill and decode instances with --tensor-parallel-size 1 "
-            "--pipeline-parallel-size 1"
+            f"{connector} supports pipeline_parallel_size 1 only (this instance: {pp}): each stage would "
+            "need its own slice of the peer's layers, which is not implemented yet. Run prefill and "
+            "decode instances with --pipeline-parallel-size 1"
         )
 
 

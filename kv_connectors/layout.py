@@ -39,12 +39,53 @@ class Region:
 
 
 @dataclasses.dataclass(frozen=True)
+class Cells:
+    """How every region's per-block segment is cut into cells: one token of one KV head,
+    `cell_bytes` contiguous bytes (K and V fused, K or V alone, or an MLA latent) at
+    `head * head_stride + token * token_stride` from the segment's start. The same strides describe
+    every layout (CPU `(blocks, heads, block_size, 2*head_size)`, CUDA NHD and HND, MLA's single
+    latent), so the planner maps tokens and heads between any two without special cases.
+
+    A rank holds heads [first_head, first_head + heads) of the model's KV heads (tensor
+    parallelism); MLA's latent is one head, replicated on every rank."""
+
+    heads: int
+    head_stride: int  # bytes; 0 when heads == 1 (no head dimension)
+    tokens: int  # tokens per block
+    token_stride: int  # bytes
+    cell_bytes: int
+    first_head: int = 0
+
+    @property
+    def extent(self) -> int:
+        """Bytes from a segment's start to the end of its last cell."""
+        return (self.heads - 1) * self.head_stride + (self.tokens - 1) * self.token_stride + self.cell_bytes
+
+    def with_first_head(self, first_head: int) -> Cells:
+        return dataclasses.replace(self, first_head=first_head)
+
+
+def rank_heads(total_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """(first head, heads) a tensor-parallel rank holds: a slice of total_heads / tp_size heads, or,
+    with fewer heads than ranks (GQA replication), one head shared by tp_size / total_heads ranks."""
+    if total_heads >= tp_size:
+        if total_heads % tp_size:
+            raise ConfigError(f"{total_heads} KV heads cannot be split over tensor_parallel_size {tp_size}")
+        per = total_heads // tp_size
+        return rank * per, per
+    if tp_size % total_heads:
+        raise ConfigError(f"tensor_parallel_size {tp_size} is not a multiple of the {total_heads} KV heads")
+    return rank // (tp_size // total_heads), 1
+
+
+@dataclasses.dataclass(frozen=True)
 class KVLayout:
     """All regions of one worker's KV cache, in a fixed order both peers agree on."""
 
     num_blocks: int
     block_size: int  # tokens per block
     regions: tuple[Region, ...]
+    cells: Cells | None = None  # None: the blocks' inside is unknown (only whole blocks can be planned)
 
     @property
     def block_bytes(self) -> int:
@@ -53,7 +94,7 @@ class KVLayout:
 
     def select(self, indices: Sequence[int]) -> KVLayout:
         """The same blocks over a subset of the regions (e.g. one layer's, for a layer-wise write)."""
-        return KVLayout(self.num_blocks, self.block_size, tuple(self.regions[i] for i in indices))
+        return KVLayout(self.num_blocks, self.block_size, tuple(self.regions[i] for i in indices), self.cells)
 
     def shape_signature(self) -> tuple[int, ...]:
         """Address-free description two peers must share (part of the compatibility hash)."""
@@ -149,3 +190,40 @@ def layer_regions(tensors: Sequence[TensorInfo], layout: KVLayout, block_dim: in
                 ids.append(i)
         result[info.name] = tuple(ids)
     return result
+
+
+def cells_of_tensor(info: TensorInfo, num_blocks: int, block_size: int, heads: int, block_dim: int | None = None) -> Cells:
+    """The cells of one KV tensor's blocks, read from its shape and strides: the token dimension has
+    block_size entries, the head dimension `heads` (absent or of size 1 with one head), and the
+    dimensions inside both form one contiguous cell. A ConfigError where that cannot be told apart
+    (e.g. as many heads as tokens per block): such a layout is planned only block for block."""
+    bdim = _find_block_dim(info, num_blocks, block_dim)
+    bstride = info.stride[bdim]
+    inner = [d for d in range(len(info.shape)) if d != bdim and info.stride[d] < bstride and info.shape[d] > 1]
+    # The innermost dimension is always inside a cell (a token's values), whatever its size.
+    outer = [d for d in inner if info.stride[d] != 1]
+    tok = [d for d in outer if info.shape[d] == block_size]
+    hd = [d for d in outer if info.shape[d] == heads] if heads > 1 else []
+    if len(tok) != 1 or len(hd) > 1 or (heads > 1 and (not hd or hd == tok)):
+        raise ConfigError(
+            f"KV tensor {info.name} shape {info.shape}: cannot tell its token dimension ({block_size}) "
+            f"from its head dimension ({heads})"
+        )
+    tdim, hdim = tok[0], (hd[0] if hd else None)
+    cell_dims = [d for d in inner if d not in (tdim, hdim)]
+    outer_stride = min(info.stride[d] for d in (tdim, hdim) if d is not None)
+    if any(info.stride[d] > outer_stride for d in cell_dims):
+        raise ConfigError(f"KV tensor {info.name} shape {info.shape} stride {info.stride}: a token's values are not contiguous")
+    expected = 1
+    for d in sorted(cell_dims, key=lambda d: info.stride[d]):
+        if info.stride[d] != expected:
+            raise ConfigError(f"KV tensor {info.name} shape {info.shape} stride {info.stride}: a token's values are not contiguous")
+        expected *= info.shape[d]
+    esz = info.element_size
+    return Cells(
+        heads=heads,
+        head_stride=info.stride[hdim] * esz if hdim is not None else 0,
+        tokens=block_size,
+        token_stride=info.stride[tdim] * esz,
+        cell_bytes=expected * esz,
+    )

@@ -40,6 +40,9 @@ class RemotePrefill:
     remote_port: int
     remote_num_tokens: int | None
     transfer_id: str | None = None
+    # P's tensor-parallel size when the params state it (P rank r listens on remote_port + r);
+    # None in the transfer-id flow: the handshake with each rank checks it then.
+    remote_tp_size: int | None = None
 
     @property
     def peer_key(self) -> tuple[str, str, int]:
@@ -103,7 +106,14 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         remote_port=_port(params[REMOTE_PORT]),
         remote_num_tokens=None if num_tokens is None else _int(REMOTE_NUM_TOKENS, num_tokens, 1),
         transfer_id=None if params.get(TRANSFER_ID) is None else _str(TRANSFER_ID, params[TRANSFER_ID]),
+        remote_tp_size=_tp_size(params),
     )
+
+
+def _tp_size(params: Mapping[str, Any]) -> int | None:
+    """P's tensor-parallel size, if the params state it."""
+    value = params.get(TP_SIZE)
+    return None if value is None else _int(TP_SIZE, value, 1)
 
 
 def _parse_transfer_id_form(params: Mapping[str, Any]) -> RemotePrefill:
@@ -123,6 +133,7 @@ def _parse_transfer_id_form(params: Mapping[str, Any]) -> RemotePrefill:
         remote_port=_port(params[REMOTE_PORT]),
         remote_num_tokens=None,
         transfer_id=transfer_id,
+        remote_tp_size=_tp_size(params),
     )
 
 
@@ -203,6 +214,7 @@ def producer_params(
     port: int,
     num_tokens: int,
     transfer_id: str | None = None,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
     """What P returns with its answer, for the proxy to copy into D's request.
 
@@ -217,7 +229,7 @@ def producer_params(
         REMOTE_HOST: host,
         REMOTE_PORT: port,
         REMOTE_NUM_TOKENS: num_tokens,
-        TP_SIZE: 1,
+        TP_SIZE: tp_size,
     }
     if transfer_id is not None:
         params[TRANSFER_ID] = transfer_id

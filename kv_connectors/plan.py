@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kv_connectors.errors import ConfigError, TransferParamsError
-from kv_connectors.layout import KVLayout
+from kv_connectors.layout import Cells, KVLayout
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -99,3 +99,102 @@ def plan_transfer(src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids:
         dsts.append(rd.base + d[starts] * rd.block_stride)
         lens.append(counts * rs.seg_len)
     return TransferPlan(np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens).astype(np.int64), int(s.size))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTable:
+    """One side's blocks of a sequence: ids[i] holds its tokens [first_token + i * block_size, ...)."""
+
+    ids: Sequence[int]
+    first_token: int = 0
+
+
+def _cells_of(layout: KVLayout, side: str) -> Cells:
+    if layout.cells is None:
+        raise ConfigError(f"the {side} KV layout does not describe its tokens and heads: only whole blocks can be planned")
+    return layout.cells
+
+
+def check_cells_compatible(src: KVLayout, dst: KVLayout) -> tuple[int, int]:
+    """The heads both sides hold, as (first, count); a ConfigError naming both sides' values where
+    tokens cannot be mapped (another number of regions, another cell size, no common head)."""
+    sc, dc = _cells_of(src, "source"), _cells_of(dst, "destination")
+    if len(src.regions) != len(dst.regions):
+        raise ConfigError(f"KV layouts have {len(src.regions)} and {len(dst.regions)} regions (layers x K/V)")
+    if sc.cell_bytes != dc.cell_bytes:
+        raise ConfigError(f"a token of one head is {sc.cell_bytes} bytes on the source and {dc.cell_bytes} on the destination")
+    lo, hi = max(sc.first_head, dc.first_head), min(sc.first_head + sc.heads, dc.first_head + dc.heads)
+    if hi <= lo:
+        raise ConfigError(
+            f"no KV head in common: the source holds heads {sc.first_head}..{sc.first_head + sc.heads - 1}, "
+            f"the destination {dc.first_head}..{dc.first_head + dc.heads - 1}"
+        )
+    return lo, hi - lo
+
+
+def _segments(
+    first: int, count: int, src: BlockTable, bs_s: int, dst: BlockTable, bs_d: int, whole: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token runs [start, start + length) inside one block on both sides (whole=True), or single
+    tokens (a token's cells are not next to each other on some side)."""
+    t = np.arange(first, first + count, dtype=np.int64)
+    if not whole:
+        return t, np.ones(count, dtype=np.int64)
+    cut = ((t - src.first_token) % bs_s == 0) | ((t - dst.first_token) % bs_d == 0)
+    cut[0] = True
+    starts = t[cut]
+    return starts, np.diff(np.concatenate((starts, [first + count])))
+
+
+def _table_ids(table: BlockTable, layout: KVLayout, first: int, count: int, side: str) -> np.ndarray:
+    ids = _as_ids(table.ids, side)
+    _check_ids(ids, layout, side)
+    lo, hi = first - table.first_token, first + count - table.first_token
+    if lo < 0 or hi > ids.size * layout.block_size:
+        raise TransferParamsError(
+            f"{side} blocks hold tokens {table.first_token}..{table.first_token + ids.size * layout.block_size - 1}, "
+            f"the transfer needs {first}..{first + count - 1}"
+        )
+    return ids
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs sorted by source address, merged where both sides continue one another."""
+    if src.size == 0:
+        return src, dst, length
+    order = np.argsort(src, kind="stable")
+    src, dst, length = src[order], dst[order], length[order]
+    joins = (src[:-1] + length[:-1] == src[1:]) & (dst[:-1] + length[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return src[starts], dst[starts], np.add.reduceat(length, starts)
+
+
+def plan_cells(src: KVLayout, src_table: BlockTable, dst: KVLayout, dst_table: BlockTable, first: int, count: int) -> TransferPlan:
+    """Tokens [first, first + count) of the heads both sides hold, from src's blocks to dst's:
+    the fewest coalesced byte runs between any two layouts (block sizes, head slices of another
+    tensor-parallel split, NHD against HND). Each (token run, head, region) is a cell run, merged
+    wherever both sides are contiguous."""
+    h0, nh = check_cells_compatible(src, dst)
+    sc, dc = _cells_of(src, "source"), _cells_of(dst, "destination")
+    s_ids = _table_ids(src_table, src, first, count, "source")
+    d_ids = _table_ids(dst_table, dst, first, count, "destination")
+    empty = np.zeros(0, dtype=np.int64)
+    if count <= 0:
+        return TransferPlan(empty, empty, empty, 0)
+    whole = sc.token_stride == sc.cell_bytes and dc.token_stride == dc.cell_bytes
+    starts, lens = _segments(first, count, src_table, src.block_size, dst_table, dst.block_size, whole)
+    s_rel, d_rel = starts - src_table.first_token, starts - dst_table.first_token
+    s_blk, d_blk = s_ids[s_rel // src.block_size], d_ids[d_rel // dst.block_size]
+    s_off = (s_rel % src.block_size) * sc.token_stride
+    d_off = (d_rel % dst.block_size) * dc.token_stride
+    heads = np.arange(h0, h0 + nh, dtype=np.int64)[:, None]  # (heads, 1) x (segments,)
+    s_head = (heads - sc.first_head) * sc.head_stride
+    d_head = (heads - dc.first_head) * dc.head_stride
+    run = np.broadcast_to(lens * sc.cell_bytes, (nh, lens.size)).ravel()
+    srcs, dsts = [], []
+    for rs, rd in zip(src.regions, dst.regions):
+        srcs.append((rs.base + s_blk * rs.block_stride + s_off + s_head).ravel())
+        dsts.append((rd.base + d_blk * rd.block_stride + d_off + d_head).ravel())
+    s_all, d_all, l_all = coalesce(np.concatenate(srcs), np.concatenate(dsts), np.tile(run, len(srcs)))
+    blocks = int(np.unique(d_blk).size)
+    return TransferPlan(s_all, d_all, l_all.astype(np.int64), blocks)

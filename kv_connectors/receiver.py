@@ -54,6 +54,7 @@ class Receiver:
         self,
         cfg: ConnectorConfig,
         rank: int,
+        tp_size: int,
         transport: Transport,
         layout: KVLayout,
         compat: wire.CompatInfo,
@@ -65,6 +66,7 @@ class Receiver:
         self._cfg = cfg
         self._local_metadata = local_metadata
         self._rank = rank
+        self._tp_size = tp_size
         self._client = client
         self._clock = clock
         self._transport = transport
@@ -101,6 +103,7 @@ class Receiver:
             agent_name=self._transport.name,
             agent_metadata=self._local_metadata,
             layout=wire.LayoutMsg.from_layout(self._layout),
+            tp_size=self._tp_size,
         )
         self._peers[key] = _Peer(self._submit(key, request))
 
@@ -153,6 +156,12 @@ class Receiver:
                 if not isinstance(reply, wire.HandshakeReply) or (key[0] and reply.engine_id != key[0]):
                     raise KVConnectorError(
                         f"side channel {key[1]}:{key[2]} answered for engine {getattr(reply, 'engine_id', '?')}, expected {key[0]}"
+                    )
+                if (reply.rank, reply.tp_size) != (self._rank, self._tp_size):
+                    raise KVConnectorError(
+                        f"side channel {key[1]}:{key[2]} is rank {reply.rank} of tensor_parallel_size {reply.tp_size}; "
+                        f"this decode rank {self._rank} of {self._tp_size} reads only the prefill rank of its own "
+                        "number (run prefill and decode with the same --tensor-parallel-size)"
                     )
                 self._transport.connect(reply.agent_name, reply.agent_metadata)
                 peer.agent_name, peer.layout, peer.epoch = reply.agent_name, reply.layout.to_layout(), reply.epoch

@@ -10,13 +10,14 @@ import msgspec
 
 from kv_connectors.counters import Counters
 from kv_connectors.errors import HandshakeError, IncompatiblePeerError, UnauthenticatedPeerError
-from kv_connectors.layout import KVLayout, Region
+from kv_connectors.layout import Cells, KVLayout, Region
 
 # Wire history: 1 = handshake, push, notifications; 2 = claims (the fence), renewals, epochs, MACs;
 # 3 = Mooncake transport metadata carries the registered ranges, the error code set is closed.
 # A peer of another version is refused at the handshake with "upgrade both sides".
 WIRE_VERSION = 3
 _MAX_ADDRESS = 2**63  # planned addresses are int64
+_MAX_HEADS = 2**16  # KV heads a peer may claim to hold (head indices are planned as int64)
 
 
 class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,18 +62,48 @@ class RegionMsg(msgspec.Struct, frozen=True, array_like=True):
     seg_len: int
 
 
+class CellsMsg(msgspec.Struct, frozen=True, array_like=True):
+    heads: int
+    head_stride: int
+    tokens: int
+    token_stride: int
+    cell_bytes: int
+    first_head: int
+
+
 class LayoutMsg(msgspec.Struct, frozen=True):
     num_blocks: int
     block_size: int
     regions: list[RegionMsg]
+    cells: CellsMsg | None = None  # the blocks' tokens and heads, where the sender could tell them
 
     @classmethod
     def from_layout(cls, layout: KVLayout) -> LayoutMsg:
+        c = layout.cells
         return cls(
             layout.num_blocks,
             layout.block_size,
             [RegionMsg(r.base, r.block_stride, r.seg_len) for r in layout.regions],
+            None if c is None else CellsMsg(c.heads, c.head_stride, c.tokens, c.token_stride, c.cell_bytes, c.first_head),
         )
+
+    def _cells(self) -> Cells | None:
+        """The peer's cells, checked: every cell of a block lies inside the block's segment."""
+        if self.cells is None:
+            return None
+        c = Cells(**msgspec.structs.asdict(self.cells))
+        if (
+            c.heads < 1
+            or c.first_head < 0
+            or c.first_head + c.heads > _MAX_HEADS
+            or c.head_stride < 0
+            or c.token_stride < 1
+            or c.cell_bytes < 1
+            or c.tokens != self.block_size
+            or any(c.extent > r.seg_len for r in self.regions)
+        ):
+            raise HandshakeError(f"peer advertised invalid KV cells {self.cells} for {self.block_size}-token blocks")
+        return c
 
     def to_layout(self) -> KVLayout:
         """The peer's layout, checked: addresses a peer advertises are used to plan transfers."""
@@ -90,7 +121,7 @@ class LayoutMsg(msgspec.Struct, frozen=True):
                     f"{r.block_stride}, segment {r.seg_len}, {self.num_blocks} blocks)"
                 )
         regions = tuple(Region(r.base, r.block_stride, r.seg_len, self.num_blocks) for r in self.regions)
-        return KVLayout(self.num_blocks, self.block_size, regions)
+        return KVLayout(self.num_blocks, self.block_size, regions, self._cells())
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake"):
@@ -102,6 +133,7 @@ class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake"):
     agent_name: str = ""
     agent_metadata: bytes = b""
     layout: LayoutMsg | None = None
+    tp_size: int = 1  # D's tensor-parallel size; D rank r hand-shakes with P rank r
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
@@ -110,6 +142,8 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
     agent_metadata: bytes
     layout: LayoutMsg
     epoch: str = ""  # new for every start of the producer: a restarted peer is a new peer
+    rank: int = 0  # the producer's tensor-parallel rank and size (D checks it reached its own rank)
+    tp_size: int = 1
 
 
 class StatsRequest(msgspec.Struct, frozen=True, tag="stats"):

@@ -59,8 +59,10 @@ class WorkerEngine:
         serve: ServerFactory = sidechannel.SideChannelServer,
         client: sidechannel.Client | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tp_size: int = 1,
     ) -> None:
         self._cfg = cfg
+        self._tp_size = tp_size
         self.epoch = uuid.uuid4().hex[:16]  # this start of the engine: peers tell restarts apart by it
         self._serve = serve
         self._client: sidechannel.Client = client or sidechannel.SideChannelClient(secret=cfg.side_channel_secret)
@@ -80,6 +82,11 @@ class WorkerEngine:
         self._hash = ""  # the compatibility hash, once registered
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
         self._staging: StagedTransport | None = None
+
+    @property
+    def rank(self) -> int:
+        """This worker's tensor-parallel rank."""
+        return self._rank
 
     # set-up ---------------------------------------------------------------------------------
     def register(
@@ -116,6 +123,7 @@ class WorkerEngine:
         self._receiver = Receiver(
             self._cfg,
             self._rank,
+            self._tp_size,
             transport,
             layout,
             compat,
@@ -187,6 +195,14 @@ class WorkerEngine:
             return self._sender.on_renew(body)
         if not isinstance(body, wire.HandshakeRequest):
             return wire.ErrorReply(wire.ErrorCode.BAD_REQUEST, f"unexpected {type(body).__name__}")
+        if body.tp_size != self._tp_size or body.rank != self._rank:
+            why = (
+                f"tensor parallelism differs: server rank {self._rank} of tensor_parallel_size {self._tp_size}, "
+                f"client rank {body.rank} of {body.tp_size} (prefill and decode must run the same "
+                "--tensor-parallel-size; each decode rank reads the prefill rank of the same number)"
+            )
+            logger.error("refused peer %s: %s", body.engine_id, why)
+            return wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, why)
         if body.compat.hash() != self._hash:
             diff = self._compat.diff(body.compat, mine="server", theirs="client")
             logger.error("refused incompatible peer %s: %s", body.engine_id, diff)
@@ -199,6 +215,8 @@ class WorkerEngine:
             agent_metadata=self._local_metadata,
             layout=wire.LayoutMsg.from_layout(self._layout),
             epoch=self.epoch,
+            rank=self._rank,
+            tp_size=self._tp_size,
         )
 
     # per step ---------------------------------------------------------------------------------
@@ -218,7 +236,7 @@ class WorkerEngine:
         self._sender.begin_layerwise(meta.reqs_layerwise)
         assert self._renewer is not None
         for rid, (peer, key) in meta.renew_start.items():
-            self._renewer.start(rid, peer, key)
+            self._renewer.start(rid, self._same_rank(peer), key)
         for rid in meta.renew_stop:
             self._renewer.stop(rid)
         now = self._clock()
@@ -228,7 +246,7 @@ class WorkerEngine:
                 RecvTask(
                     request_id=rid,
                     kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
-                    peer_key=spec.peer_key,
+                    peer_key=self._same_rank(spec.peer_key),
                     remote_request_id=spec.remote_request_id,
                     local_block_ids=list(spec.local_block_ids),
                     remote_block_ids=list(spec.remote_block_ids),
@@ -242,6 +260,11 @@ class WorkerEngine:
             task = RecvTask(rid, ("", "", 0), "", [], [], now)
             task.fail(FailReason.BAD_PARAMS, reason)
             self._receiver.add(task)
+
+    def _same_rank(self, peer_key: tuple[str, str, int]) -> tuple[str, str, int]:
+        """P's side channel for this rank: the scheduler names P's rank 0; rank r listens at port + r."""
+        engine, host, port = peer_key
+        return (engine, host, port + self._rank)
 
     def _progress(self) -> None:
         """Advance both sides; notices meant for the sender (blocks D is done with) are kept

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from kv_connectors import sidechannel, wire
-from kvc_testing.procs import ManagedProcess, VllmServer, free_port
+from kvc_testing.procs import ManagedProcess, VllmServer, free_port, free_port_range
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +63,22 @@ def pd_server(
     name: str | None = None,
     extra_config: Mapping[str, Any] | None = None,
     transfer_config: Mapping[str, Any] | None = None,
+    tp: int = 1,
     **server_kwargs: Any,
 ) -> VllmServer:
     """A vLLM server with our connector (not started). transfer_config: vLLM's own kv-transfer-config
-    keys (e.g. {"kv_load_failure_policy": "recompute"}); extra_config: ours."""
-    port = side_channel_port or free_port()
+    keys (e.g. {"kv_load_failure_policy": "recompute"}); extra_config: ours. tp > 1: that many
+    tensor-parallel ranks, one core each (worker processes; side channels on port + rank)."""
+    port = side_channel_port or (free_port() if tp == 1 else free_port_range(tp))
     ktc = kv_transfer_config(role, port, form=form, top_level=transfer_config, **dict(extra_config or {}))
+    args = ["--kv-transfer-config", ktc]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
+        server_kwargs["multiprocessing"] = True
+        cpu_bind = cpu_bind if cpu_bind is not None else "|".join(str(r % 2) for r in range(tp))
     server = VllmServer(
         model,
-        extra_args=["--kv-transfer-config", ktc],
+        extra_args=args,
         cpu_bind=cpu_bind,
         name=name or role,
         **server_kwargs,
@@ -179,9 +186,9 @@ def transfer_id_params(prefill_server: VllmServer, transfer_id: str | None = Non
     return p_params, d_params
 
 
-def stats(server: VllmServer, timeout_s: float = 5.0) -> wire.StatsReply:
-    """Our connector's counters on one server (via its side channel)."""
-    return sidechannel.query_stats("127.0.0.1", server.side_channel_port, timeout_s)  # type: ignore[attr-defined]
+def stats(server: VllmServer, timeout_s: float = 5.0, rank: int = 0) -> wire.StatsReply:
+    """Our connector's counters on one server's tensor-parallel rank (via that rank's side channel)."""
+    return sidechannel.query_stats("127.0.0.1", server.side_channel_port + rank, timeout_s)  # type: ignore[attr-defined]
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> Any:

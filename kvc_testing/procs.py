@@ -58,15 +58,30 @@ def free_ports(n: int) -> list[int]:
         if len(out) == n:
             return out
         port = _ports.randint(10_000, high)
-        if port in out:
+        if port in out or not _bindable(port):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
         out.append(port)
     raise RuntimeError(f"no {n} free ports in 10000..{high}")
+
+
+def free_port_range(n: int) -> int:
+    """The first of `n` consecutive ports free on 127.0.0.1 now (a tensor-parallel instance's side
+    channels: base port + rank), below the kernel's ephemeral range like free_ports."""
+    high = _ephemeral_low() - n
+    for _ in range(10_000):
+        base = _ports.randint(10_000, high)
+        if all(_bindable(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports in 10000..{high + n - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _set_parent_death_signal() -> None:
@@ -181,6 +196,21 @@ class ManagedProcess:
         except OSError:
             return ""
         return "\n".join(data.splitlines()[-n:])
+
+    def wait_log(self, text: str, timeout: float) -> None:
+        """Wait until the log holds `text` (a child's log is written as it runs); AssertionError
+        with the log tail at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with open(self.log_path, "rb") as f:
+                    if text in f.read().decode("utf-8", errors="replace"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}'s log has no {text!r} after {timeout:g} s:\n{self.log_tail(40)}")
+            time.sleep(0.2)
 
     def group_alive(self) -> bool:
         """Whether any process of the group is left (reaps our own child first)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import torch
 from kv_connectors import config
 from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
-from kv_connectors.layout import TensorInfo, build_layout, layer_regions
+from kv_connectors.layout import Cells, TensorInfo, build_layout, cells_of_tensor, layer_regions, rank_heads
 from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.transports import create_transport
 from kv_connectors.transports.base import MemoryKind, Transport
@@ -79,19 +80,23 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 f"{compat.num_kv_cache_groups(kv_cache_config)} (hybrid attention is not supported yet)"
             )
         self._block_size = int(vllm_config.cache_config.block_size)
-        rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+        tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        # The worker's rank in its TP group (parallel_config.rank counts TP ranks first).
+        rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0) % tp_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == compat.KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.side_channel_port_for_rank(0))
+            self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.side_channel_port_for_rank(0), tp_size=tp_size)
         else:
-            self._worker = WorkerSide(self._cfg, rank, self.make_transport, self.transport_name)
+            self._worker = WorkerSide(self._cfg, rank, self.make_transport, self.transport_name, tp_size=tp_size)
         logger.info(
-            "%s (%s) role=%s engine=%s side channel %s:%d",
+            "%s (%s) role=%s engine=%s rank %d of %d side channel %s:%d",
             type(self).__name__,
             self.transport_name,
             self._cfg.role.value,
             self._cfg.engine_id,
+            rank,
+            tp_size,
             self._cfg.side_channel_host,
             self._cfg.side_channel_port_for_rank(rank),
         )
@@ -119,12 +124,24 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         infos = [tensor_info(name, t) for name, t in kv_caches.items()]
         num_blocks = int(self._kv_cache_config.num_blocks)
-        layout = build_layout(infos, num_blocks, self._block_size)
         facts = compat.model_facts(self._vllm_config)
+        layout = build_layout(infos, num_blocks, self._block_size)
+        layout = dataclasses.replace(layout, cells=self._cells(infos[0], num_blocks, int(facts["num_kv_heads"])))
         compat_info = CompatInfo(layout=layout.shape_signature(), **facts)
         first = next(iter(kv_caches.values()))
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
         self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))
+
+    def _cells(self, info: TensorInfo, num_blocks: int, total_heads: int) -> Cells | None:
+        """This rank's tokens and heads inside a block (for the planner), or None where the tensor
+        does not tell them apart: then only whole blocks are planned."""
+        tp = int(getattr(self._vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        try:
+            first, heads = rank_heads(total_heads, tp, self.worker_side.rank)
+            return cells_of_tensor(info, num_blocks, self._block_size, heads).with_first_head(first)
+        except ConfigError as e:
+            logger.info("KV blocks planned whole only: %s", e)
+            return None
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Called before the forward pass (vLLM starts asynchronous loads only after it): the one

@@ -36,8 +36,16 @@ class _Parsed:
 class SchedulerSide:
     """Runs in the EngineCore process; never blocks and never raises for a single bad request."""
 
-    def __init__(self, cfg: ConnectorConfig, block_size: int, rank_port: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        block_size: int,
+        rank_port: int,
+        clock: Callable[[], float] = time.monotonic,
+        tp_size: int = 1,
+    ) -> None:
         self._cfg = cfg
+        self._tp_size = tp_size
         self._clock = clock
         self._block_size = block_size
         self._port = rank_port
@@ -114,7 +122,13 @@ class SchedulerSide:
         num_prompt = len(request.prompt_token_ids or ())
         needed = blocks_for_tokens(num_prompt, self._block_size)
         error = None
-        if rp.push_only:
+        if rp.remote_tp_size is not None and rp.remote_tp_size != self._tp_size:
+            error = TransferParamsError(
+                f"the prefill instance runs tensor_parallel_size {rp.remote_tp_size}, this decode instance "
+                f"{self._tp_size}: prefill and decode with different TP sizes are not supported yet "
+                "(run both with the same --tensor-parallel-size)"
+            )
+        elif rp.push_only:
             pass  # P's blocks are unknown until P writes them: P checks the count then
         elif rp.remote_num_tokens is not None and rp.remote_num_tokens != num_prompt:
             error = TransferParamsError(
@@ -220,4 +234,5 @@ class SchedulerSide:
             port=self._port,
             num_tokens=request.num_prompt_tokens,
             transfer_id=transfer_id,
+            tp_size=self._tp_size,
         )

@@ -56,13 +56,15 @@ def fresh_prompts(seed: int) -> list[list[int]]:
     return make_prompts(LENGTHS, seed=seed)
 
 
-def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy, prompts=PROMPTS) -> None:
+def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy, prompts=PROMPTS, tp: int = 1) -> None:
     """Every prompt through the proxy equals the colocated run; D loaded each one; P freed all.
 
     A D that already served these prompts has them in its prefix cache and loads fewer blocks:
-    give such a D fresh prompts (`fresh_prompts`)."""
+    give such a D fresh prompts (`fresh_prompts`). tp: both sides' tensor-parallel size (every
+    rank loads and frees each prompt: its counters are checked rank by rank, /metrics sums them)."""
     lengths = [len(p) for p in prompts]
-    p0, d0 = stats(prefill_server), stats(decode_server)
+    ranks0 = [(stats(prefill_server, rank=r), stats(decode_server, rank=r)) for r in range(tp)]
+    p0, d0 = ranks0[0]
     d_metric0 = metric(decode_server.url, "kvc:recv_transfers_total")
     p_metric0 = metric(prefill_server.url, "kvc:completed_sends_total")
     expected = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
@@ -71,24 +73,25 @@ def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy,
     mismatches = [(n, e, g) for n, e, g in zip(lengths, expected, got) if e != g]
     assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
 
-    d1 = stats(decode_server)
-    assert d1.recv_transfers - d0.recv_transfers == len(prompts), "D did not load every prompt from P"
-    assert d1.recv_failures == d0.recv_failures
-    assert d1.recv_blocks - d0.recv_blocks >= sum(-(-n // BLOCK_SIZE) for n in lengths) // 2
-    # Every block P held for D is freed once D has it: P's counters and vLLM's own gauge.
-    wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks D loaded")
-    p1 = stats(prefill_server)
-    assert p1.completed_sends - p0.completed_sends == len(prompts)
-    assert p1.expired_leases == p0.expired_leases
+    for rank, (p0, d0) in enumerate(ranks0):
+        d1 = stats(decode_server, rank=rank)
+        assert d1.recv_transfers - d0.recv_transfers == len(prompts), f"D rank {rank} did not load every prompt from P"
+        assert d1.recv_failures == d0.recv_failures
+        assert d1.recv_blocks - d0.recv_blocks >= sum(-(-n // BLOCK_SIZE) for n in lengths) // 2
+        # Every block P held for D is freed once D has it: P's counters and vLLM's own gauge.
+        wait_until(lambda r=rank: stats(prefill_server, rank=r).held_blocks == 0, 10, f"P rank {rank} to free the blocks D loaded")
+        p1 = stats(prefill_server, rank=rank)
+        assert p1.completed_sends - p0.completed_sends == len(prompts)
+        assert p1.expired_leases == p0.expired_leases
     wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
     # The same counters on each server's /metrics (through vLLM's KVConnectorStats and Prometheus hooks).
     wait_until(
-        lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(prompts),
+        lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(prompts) * tp,
         10,
         "D's /metrics to count every load",
     )
     wait_until(
-        lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(prompts),
+        lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(prompts) * tp,
         10,
         "P's /metrics to count every completed send",
     )

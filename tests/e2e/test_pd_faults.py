@@ -141,9 +141,10 @@ def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
         assert stats(server).recv_failures == 1
 
 
-def test_tensor_parallel_instance_is_refused_at_start_up(tiny_model):
-    """TP 2 would have each rank load the peer's rank-0 heads (wrong tokens with HTTP 200): refused."""
-    server = pd_server(tiny_model, "kv_consumer", name="D-tp2", max_model_len=MAX_MODEL_LEN, multiprocessing=True, cpu_bind="0|1")
-    server.argv += ["--tensor-parallel-size", "2"]
-    log = _refused_at_start_up(server, 240, "a TP 2 instance with our connector kept running")
-    assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in log, log[-2000:]
+def test_pipeline_parallel_instance_is_refused_at_start_up(tiny_model):
+    """PP 2 would have each stage load the peer's layers of stage 0 (wrong tokens): refused. TP is
+    served rank to rank (test_pd_tp.py)."""
+    server = pd_server(tiny_model, "kv_consumer", name="D-pp2", max_model_len=MAX_MODEL_LEN, multiprocessing=True, cpu_bind="0|1")
+    server.argv += ["--pipeline-parallel-size", "2"]
+    log = _refused_at_start_up(server, 240, "a PP 2 instance with our connector kept running")
+    assert "pipeline_parallel_size 1 only" in log, log[-2000:]

@@ -18,7 +18,7 @@ from kv_connectors.worker import WorkerEngine
 NUM_BLOCKS = 16
 BLOCK_SIZE = 4
 BLOCK_WORDS = 64  # float32 words per block per region
-P_PORT, D_PORT, D2_PORT = 7001, 7002, 7003
+P_PORT, D_PORT, D2_PORT = 7001, 7011, 7021  # apart: a TP rank r listens on port + r
 
 
 class FakeClock:
@@ -113,10 +113,20 @@ class Node:
 class Cluster:
     """P (producer) and one or two D (consumer) engines."""
 
-    def __init__(self, p_extra: dict | None = None, d_extra: dict | None = None, d_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        p_extra: dict | None = None,
+        d_extra: dict | None = None,
+        d_delay_s: float = 0.0,
+        p_tp: int = 1,
+        d_tp: int = 1,
+    ) -> None:
+        """p_tp, d_tp: the TP sizes P's and D's rank 0 (self.p, self.d) run with (add_rank adds the others)."""
         self.clock = FakeClock()
         self.fabric = MemoryFabric(self.clock)
-        self.p = self._node("P", "kv_producer", P_PORT, {"lease_s": 5, "transfer_timeout_s": 10, **(p_extra or {})}, fill=1.0)
+        self.p = self._node(
+            "P", "kv_producer", P_PORT, {"lease_s": 5, "transfer_timeout_s": 10, **(p_extra or {})}, fill=1.0, tp_size=p_tp
+        )
         self.d = self._node(
             "D",
             "kv_consumer",
@@ -124,9 +134,21 @@ class Cluster:
             {"handshake_timeout_s": 2, "transfer_timeout_s": 10, **(d_extra or {})},
             fill=-1.0,
             delay_s=d_delay_s,
+            tp_size=d_tp,
         )
 
-    def _node(self, engine_id: str, role: str, port: int, extra: dict, fill: float, delay_s: float = 0.0) -> Node:
+    def _node(
+        self,
+        engine_id: str,
+        role: str,
+        port: int,
+        extra: dict,
+        fill: float,
+        delay_s: float = 0.0,
+        rank: int = 0,
+        tp_size: int = 1,
+    ) -> Node:
+        """One worker engine; a TP rank r > 0 listens on port + r (its config names the base port)."""
         cfg = parse_config(engine_id, role, {"side_channel_port": port, **extra})
         kv = np.zeros((2, NUM_BLOCKS, BLOCK_WORDS), dtype=np.float32)
         # Block b of a node holds fill * (b + 1) everywhere: a copy is recognisable by its value.
@@ -139,10 +161,18 @@ class Cluster:
             return made[-1]
 
         client = HeldClient(self.fabric.client())
-        engine = WorkerEngine(cfg, 0, make, "memory", serve=self.fabric.serve, client=client, clock=self.clock)
+        engine = WorkerEngine(cfg, rank, make, "memory", serve=self.fabric.serve, client=client, clock=self.clock, tp_size=tp_size)
         # Each region is one "layer" (layer-wise push writes a layer's regions as it is computed).
         engine.register(layout, compat_for(layout), layer_regions={"layer.0": (0,), "layer.1": (1,)})
         return Node(engine, kv, made[-1], client)
+
+    def add_rank(self, role: str, rank: int, tp_size: int, fill: float, extra: dict | None = None) -> Node:
+        """Another tensor-parallel rank of P (role kv_producer) or D (kv_consumer), same base port."""
+        if role == "kv_producer":
+            base = {"lease_s": 5, "transfer_timeout_s": 10}
+            return self._node("P", role, P_PORT, {**base, **(extra or {})}, fill=fill, rank=rank, tp_size=tp_size)
+        base = {"handshake_timeout_s": 2, "transfer_timeout_s": 10}
+        return self._node("D", role, D_PORT, {**base, **(extra or {})}, fill=fill, rank=rank, tp_size=tp_size)
 
     def add_consumer(self, engine_id: str = "D2", port: int = D2_PORT, extra: dict | None = None) -> Node:
         return self._node(

@@ -36,14 +36,14 @@ def _run(*argv: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(proc.stdout)
 
 
-def _start_up_error(extra: dict[str, Any], role: str = "kv_producer", tp: int = 1) -> str:
+def _start_up_error(extra: dict[str, Any], role: str = "kv_producer", tp: int = 1, pp: int = 1) -> str:
     """The ConfigError our connector raises when vLLM constructs it with this config."""
     from kv_connectors.nixl import NixlConnector
     from kv_connectors.vllm.compat import KVConnectorRole
 
     kvt = SimpleNamespace(engine_id="e", kv_role=role, kv_connector_extra_config=extra)
     vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1), kv_transfer_config=kvt
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp), kv_transfer_config=kvt
     )
     with pytest.raises(ConfigError) as e:
         NixlConnector(vllm_config, KVConnectorRole.WORKER, None)
@@ -64,9 +64,11 @@ def test_role_and_parallelism_errors_match_start_up() -> None:
         cli.check_transfer_config({**NIXL, "kv_role": "kv_prefiller"})
     assert str(offline.value) == _start_up_error({}, role="kv_prefiller")
     with pytest.raises(ConfigError) as offline:
-        cli.check_transfer_config({**NIXL, "kv_role": "kv_consumer"}, tensor_parallel_size=2)
-    assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in str(offline.value)
-    assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in _start_up_error({}, tp=2)
+        cli.check_transfer_config({**NIXL, "kv_role": "kv_consumer"}, pipeline_parallel_size=2)
+    assert "pipeline_parallel_size 1 only" in str(offline.value)
+    assert "pipeline_parallel_size 1 only" in _start_up_error({}, role="kv_consumer", pp=2)
+    kind, _cfg = cli.check_transfer_config({**NIXL, "kv_role": "kv_consumer"}, tensor_parallel_size=2)
+    assert kind == "nixl"  # TP is served rank to rank
 
 
 def test_a_good_config_passes_with_a_summary() -> None:

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 
 from kv_connectors import wire
-from tests.unit.engine_harness import P_PORT, Cluster
+from tests.unit.engine_harness import D_PORT, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
@@ -88,7 +88,7 @@ def test_fuzzed_side_channel_and_notifications_leave_both_engines_serving():
     rng = random.Random(7)
     keys = ["held", "r9"]
     server = c.fabric.servers[("127.0.0.1", P_PORT)]
-    d_server = c.fabric.servers[("127.0.0.1", 7002)]
+    d_server = c.fabric.servers[("127.0.0.1", D_PORT)]
     for n in range(3000):
         body = rng.choice(_mutations(rng, keys))
         frame = wire.encode(body, c_compat.hash())

@@ -37,8 +37,9 @@ def test_module_path_form_loads_our_class_despite_the_builtin_name():
     assert KVConnectorFactory.get_connector_class(cfg) is NixlConnector
 
 
-def test_tensor_and_pipeline_parallelism_are_refused_at_start_up():
-    """TP/PP > 1 would read another rank's heads or layers: refused with a clear error, never served."""
+def test_pipeline_parallelism_is_refused_at_start_up():
+    """PP > 1 would read another stage's layers: refused with a clear error, never served. TP is
+    served rank to rank (tests/unit/test_engine_tp.py)."""
     from types import SimpleNamespace
 
     import pytest
@@ -46,7 +47,7 @@ def test_tensor_and_pipeline_parallelism_are_refused_at_start_up():
     from kv_connectors.errors import ConfigError
     from kv_connectors.vllm.compat import KVConnectorRole
 
-    for tp, pp in ((2, 1), (1, 2)):
+    for tp, pp in ((1, 2), (2, 2)):
         cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
-        with pytest.raises(ConfigError, match="tensor_parallel_size 1 and pipeline_parallel_size 1 only"):
+        with pytest.raises(ConfigError, match="pipeline_parallel_size 1 only"):
             NixlConnector(cfg, KVConnectorRole.WORKER, None)

@@ -104,3 +104,25 @@ def test_params_are_parsed_once_per_request_and_forgotten_when_it_finishes(monke
     delay, params = p.request_finished(r, [3, 4])
     assert delay and params is not None and params["remote_request_id"] == "t-1" and params["transfer_id"] == "t-1"
     assert len(calls) == 1 and not p._params
+
+
+def test_a_prefill_of_another_tp_size_fails_the_request_at_once_naming_both_sizes():
+    """D at TP 2 given a TP 1 prefill's params (they state P's size): failed before any handshake,
+    and P is still told to free its blocks; params of the same size load as usual."""
+    side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock(), tp_size=2)
+    a, b = _request("a", "ka"), _request("b", "kb")
+    a.kv_transfer_params["tp_size"] = 1
+    b.kv_transfer_params["tp_size"] = 2
+    for r in (a, b):
+        assert side.get_num_new_matched_tokens(r, 0) == (64, True)
+        side.update_state_after_alloc(r, _blocks([5, 6]), 64)
+    meta = side.build_connector_meta(OUTPUT)
+    assert "tensor_parallel_size 1, this decode instance 2" in meta.reqs_failed["a"]
+    assert not meta.reqs_to_recv["a"].report  # the release
+    assert "b" not in meta.reqs_failed and meta.reqs_to_recv["b"].report
+
+    p = SchedulerSide(parse_config("P", "kv_producer", {}), BLOCK, 7001, clock=FakeClock(), tp_size=2)
+    r = _request("r", "")
+    r.kv_transfer_params = {"do_remote_decode": True}
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished(r, [3, 4])[1]["tp_size"] == 2

@@ -6,7 +6,7 @@ import pytest
 from kv_connectors import wire
 from kv_connectors.config import VALID_KEYS, Role, TransferMode, parse_config
 from kv_connectors.errors import ConfigError, HandshakeError, IncompatiblePeerError, TransferParamsError
-from kv_connectors.layout import KVLayout, Region
+from kv_connectors.layout import Cells, KVLayout, Region
 from kv_connectors.params import parse_remote_prefill, producer_params
 from kv_connectors.state import SendLeases
 
@@ -37,6 +37,23 @@ def test_round_trip_every_message():
         assert wire.decode(wire.encode(m, COMPAT.hash()), COMPAT.hash()) == m
     back = msgs[1].layout.to_layout()
     assert back == layout
+
+
+def test_cells_travel_with_the_layout_and_are_checked():
+    cells = Cells(heads=2, head_stride=256, tokens=32, token_stride=8, cell_bytes=8, first_head=2)
+    layout = KVLayout(8, 32, (Region(4096, 512, 512, 8),), cells)
+    msg = wire.LayoutMsg.from_layout(layout)
+    assert wire.decode(wire.encode(wire.HandshakeReply("p", "a", b"", msg), "h"), "h").layout.to_layout() == layout
+    for bad in (
+        {"cell_bytes": 16},  # the last cell would end past the 512-byte segment
+        {"tokens": 16},  # not the advertised block size
+        {"first_head": 2**62},
+        {"heads": 0},
+        {"token_stride": -8},
+    ):
+        forged = msgspec.structs.replace(msg, cells=msgspec.structs.replace(msg.cells, **bad))
+        with pytest.raises(HandshakeError, match="invalid KV cells"):
+            forged.to_layout()
 
 
 def test_hash_mismatch_is_refused_before_the_body():

@@ -1,0 +1,126 @@
+"""Tensor parallelism over the memory transport: D rank r reads (or is written by) P rank r only,
+heartbeats and releases go to that rank, and a peer of another TP size is refused at the
+handshake within its deadline, naming both sides' sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kv_connectors.params import TP_SIZE, parse_remote_prefill, producer_params
+from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from tests.unit.engine_harness import P_PORT, Cluster, Node
+
+P_BLOCKS = (1, 2, 3)
+D_BLOCKS = (5, 6, 7)
+PEER = ("P", "127.0.0.1", P_PORT)  # what D's scheduler names: P's rank 0 (its params' port)
+
+
+def _tp2(mode: str = "pull") -> tuple[Cluster, list[Node], list[Node]]:
+    """P and D at TP 2; each rank's KV is recognisable (P rank r holds (r + 1) * 100 + block + 1)."""
+    c = Cluster(p_extra={"mode": mode}, d_extra={"mode": mode}, p_tp=2, d_tp=2)
+    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0, extra={"mode": mode})
+    d1 = c.add_rank("kv_consumer", 1, 2, fill=-1.0, extra={"mode": mode})
+    ps, ds = [c.p, p1], [c.d, d1]
+    for r, p in enumerate(ps):
+        p.kv += (r + 1) * 100
+    return c, ps, ds
+
+
+def _prefill(ps: list[Node], rid: str) -> None:
+    for p in ps:  # vLLM hands every rank the same metadata
+        p.step(StepMetadata(reqs_to_send={rid: SendSpec(P_BLOCKS, rid)}))
+
+
+def _recv(ds: list[Node], rid: str, remote_rid: str, remote: tuple[int, ...] = P_BLOCKS, report: bool = True) -> None:
+    local = D_BLOCKS if report else ()
+    for d in ds:
+        d.step(StepMetadata(reqs_to_recv={rid: RecvSpec(PEER, remote_rid, local, remote if report else (), report=report)}))
+
+
+def _run(c: Cluster, nodes: list[Node], steps: int = 8) -> None:
+    for _ in range(steps):
+        c.clock.advance(0.001)
+        for n in nodes:
+            n.step()
+
+
+def test_each_decode_rank_pulls_its_own_prefill_ranks_heads():
+    c, ps, ds = _tp2()
+    _prefill(ps, "r1")
+    _recv(ds, "d1", "r1")
+    _run(c, [*ds, *ps])
+    for p, d in zip(ps, ds):
+        assert d.finished_recving == {"d1"} and not d.failed_recving
+        for pb, db in zip(P_BLOCKS, D_BLOCKS):
+            assert np.array_equal(d.block(db), p.block(pb))
+        assert p.finished_sending == {"r1"} and p.engine.stats.expired_leases == 0
+    assert not np.array_equal(ds[0].block(D_BLOCKS[0]), ds[1].block(D_BLOCKS[0]))  # the ranks' heads differ
+
+
+def test_each_prefill_rank_pushes_into_its_own_decode_rank():
+    c, ps, ds = _tp2("push")
+    _prefill(ps, "r1")
+    _recv(ds, "d1", "r1")
+    _run(c, [*ds, *ps])
+    for p, d in zip(ps, ds):
+        assert d.finished_recving == {"d1"} and not d.failed_recving
+        for pb, db in zip(P_BLOCKS, D_BLOCKS):
+            assert np.array_equal(d.block(db), p.block(pb))
+        assert p.finished_sending == {"r1"}
+
+
+def test_releases_reach_every_prefill_rank():
+    c, ps, ds = _tp2()
+    _prefill(ps, "r1")
+    _recv(ds, "d1", "r1", report=False)
+    _run(c, [*ds, *ps])
+    for p in ps:
+        assert p.finished_sending == {"r1"} and p.engine.stats.expired_leases == 0
+
+
+def test_heartbeats_keep_every_prefill_ranks_lease():
+    c, ps, ds = _tp2()
+    _prefill(ps, "r1")
+    for d in ds:
+        d.step(StepMetadata(renew_start={"d1": (PEER, "r1")}))
+    for _ in range(40):  # 8 s of queueing against P's 5 s lease
+        c.clock.advance(0.2)
+        for n in [*ds, *ps]:
+            n.step()
+    for p in ps:
+        assert p.engine.stats.expired_leases == 0 and not p.finished_sending
+    for d in ds:
+        d.step(StepMetadata(renew_stop={"d1"}))
+    _recv(ds, "d1", "r1")
+    _run(c, [*ds, *ps])
+    for p, d in zip(ps, ds):
+        assert d.finished_recving == {"d1"} and not d.failed_recving
+        assert np.array_equal(d.block(D_BLOCKS[0]), p.block(P_BLOCKS[0]))
+
+
+def test_a_decode_instance_of_another_tp_size_is_refused_within_the_handshake_deadline():
+    c = Cluster(p_tp=2, d_tp=1)  # D (TP 1) reaches P's rank 0 of 2
+    c.prefill_done("r1", P_BLOCKS)
+    c.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(steps=3)
+    assert c.d.failed_recving == {"d1"}  # at once: no wait for P's lease or the transfer deadline
+    assert c.d.engine.stats.recv_failures == 1
+    assert np.array_equal(c.d.block(D_BLOCKS[0]), np.full_like(c.d.block(D_BLOCKS[0]), -(D_BLOCKS[0] + 1)))
+
+
+def test_refusal_names_both_sides_tp_sizes(caplog):
+    c = Cluster(p_tp=1, d_tp=2)
+    c.prefill_done("r1", P_BLOCKS)
+    with caplog.at_level("ERROR"):
+        c.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+        c.run(steps=3)
+    assert c.d.failed_recving == {"d1"}
+    text = caplog.text
+    assert "tensor_parallel_size 1" in text and "rank 0 of 2" in text, text
+
+
+def test_producer_params_carry_the_tp_size_and_decode_reads_it():
+    params = producer_params(block_ids=[1], engine_id="P", request_id="r", host="h", port=5, num_tokens=3, tp_size=4)
+    assert params[TP_SIZE] == 4 and parse_remote_prefill(params).remote_tp_size == 4
+    del params[TP_SIZE]
+    assert parse_remote_prefill(params).remote_tp_size is None
