@@ -78,6 +78,38 @@ def rank_heads(total_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
     return rank // (tp_size // total_heads), 1
 
 
+def source_ranks(total_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
+    """The prefill ranks a decode rank reads its heads from: one per slice of its heads that one
+    prefill rank holds (several when P runs more ranks than D; one when D runs as many or more).
+    Where P replicates a head over ranks (fewer heads than ranks), D ranks spread over the copies."""
+    first, count = rank_heads(total_heads, d_tp, d_rank)
+    out: list[int] = []
+    for head in range(first, first + count):
+        if p_tp <= total_heads:
+            p = head // (total_heads // p_tp)
+        else:
+            copies = p_tp // total_heads
+            p = head * copies + d_rank % copies
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def reader_count(total_heads: int, p_tp: int, d_tp: int, p_rank: int) -> int:
+    """How many decode ranks read from prefill rank p_rank (each notifies it once it is done);
+    a ConfigError where some prefill rank would never be read (its KV would wait for its lease)."""
+    counts = [0] * p_tp
+    for d in range(d_tp):
+        for p in source_ranks(total_heads, p_tp, d_tp, d):
+            counts[p] += 1
+    if 0 in counts:
+        raise ConfigError(
+            f"with {total_heads} KV heads, prefill tensor_parallel_size {p_tp} and decode {d_tp}, prefill "
+            f"rank {counts.index(0)}'s KV would never be read (it replicates heads other ranks hold)"
+        )
+    return counts[p_rank]
+
+
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
     """All regions of one worker's KV cache, in a fixed order both peers agree on."""
@@ -97,8 +129,15 @@ class KVLayout:
         return KVLayout(self.num_blocks, self.block_size, tuple(self.regions[i] for i in indices), self.cells)
 
     def shape_signature(self) -> tuple[int, ...]:
-        """Address-free description two peers must share (part of the compatibility hash)."""
+        """Address-free description of the blocks: two peers with the same one move whole blocks."""
         return (self.block_size, len(self.regions), *(r.seg_len for r in self.regions))
+
+    def compat_signature(self) -> tuple[int, ...]:
+        """What two peers must share (part of the compatibility hash): with cells, the regions and
+        a cell's size (the rest, such as a TP rank's head slice, is planned); without, the shape."""
+        if self.cells is None:
+            return self.shape_signature()
+        return (self.block_size, len(self.regions), self.cells.cell_bytes)
 
 
 def _find_block_dim(info: TensorInfo, num_blocks: int, block_dim: int | None) -> int:

@@ -198,3 +198,17 @@ def plan_cells(src: KVLayout, src_table: BlockTable, dst: KVLayout, dst_table: B
     s_all, d_all, l_all = coalesce(np.concatenate(srcs), np.concatenate(dsts), np.tile(run, len(srcs)))
     blocks = int(np.unique(d_blk).size)
     return TransferPlan(s_all, d_all, l_all.astype(np.int64), blocks)
+
+
+def plan_blocks(src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids: Sequence[int]) -> TransferPlan:
+    """Blocks paired one to one: whole blocks where both sides cut them alike (the same TP rank's
+    heads, the same shapes), otherwise the heads both hold, cell by cell (another TP split)."""
+    sc, dc = src.cells, dst.cells
+    alike = sc is None or dc is None or (sc.first_head, sc.heads) == (dc.first_head, dc.heads)
+    if alike and src.shape_signature() == dst.shape_signature():
+        return plan_transfer(src, src_ids, dst, dst_ids)
+    if src.block_size != dst.block_size:
+        raise ConfigError(f"blocks of {src.block_size} and {dst.block_size} tokens cannot be paired one to one")
+    if len(src_ids) != len(dst_ids):
+        raise TransferParamsError(f"block id lists differ in length: {len(src_ids)} source vs {len(dst_ids)} destination")
+    return plan_cells(src, BlockTable(src_ids), dst, BlockTable(dst_ids), 0, len(dst_ids) * dst.block_size)

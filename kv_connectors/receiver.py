@@ -12,7 +12,7 @@ from kv_connectors.config import ConnectorConfig, TransferMode
 from kv_connectors.counters import DURATIONS_CAP, Phase
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.layout import KVLayout
-from kv_connectors.plan import plan_transfer
+from kv_connectors.plan import plan_blocks
 from kv_connectors.state import ClaimBatch, ClaimResult, FailReason, RecvKind, RecvPhase, RecvTask, TaskKey
 from kv_connectors.transports.base import Transport, XferState
 
@@ -74,8 +74,10 @@ class Receiver:
         self._compat = compat
         self._hash = compat.hash()
         self._peers: dict[PeerKey, _Peer] = {}
+        self._expected: dict[PeerKey, tuple[int, int]] = {}  # the (rank, TP size) a producer must answer as
         self._tasks: dict[TaskKey, RecvTask] = {}
         self._to_claim: dict[PeerKey, list[RecvTask]] = {}
+        self._group_failed: set[str] = set()  # requests read from several producer ranks: one read failed
         self.totals = RecvTotals()
         self.claims_refused = 0
 
@@ -88,6 +90,7 @@ class Receiver:
     def add(self, task: RecvTask) -> None:
         self._tasks[task.key] = task
         if task.phase is RecvPhase.HANDSHAKE:
+            self._expected[task.peer_key] = (task.remote_rank, task.remote_tp_size)
             self._ensure_peer(task.peer_key)
 
     def _ensure_peer(self, key: PeerKey) -> None:
@@ -157,11 +160,12 @@ class Receiver:
                     raise KVConnectorError(
                         f"side channel {key[1]}:{key[2]} answered for engine {getattr(reply, 'engine_id', '?')}, expected {key[0]}"
                     )
-                if (reply.rank, reply.tp_size) != (self._rank, self._tp_size):
+                expected = self._expected.get(key, (self._rank, self._tp_size))
+                if (reply.rank, reply.tp_size) != expected:
                     raise KVConnectorError(
                         f"side channel {key[1]}:{key[2]} is rank {reply.rank} of tensor_parallel_size {reply.tp_size}; "
-                        f"this decode rank {self._rank} of {self._tp_size} reads only the prefill rank of its own "
-                        "number (run prefill and decode with the same --tensor-parallel-size)"
+                        f"this decode rank {self._rank} of {self._tp_size} expected the prefill's rank {expected[0]} "
+                        f"of {expected[1]} there"
                     )
                 self._transport.connect(reply.agent_name, reply.agent_metadata)
                 peer.agent_name, peer.layout, peer.epoch = reply.agent_name, reply.layout.to_layout(), reply.epoch
@@ -229,7 +233,7 @@ class Receiver:
         assert peer.layout is not None
         started = self._clock()  # engines may copy inside the post call (NIXL over cma does)
         try:
-            plan = plan_transfer(peer.layout, task.remote_block_ids, self._layout, task.local_block_ids)
+            plan = plan_blocks(peer.layout, task.remote_block_ids, self._layout, task.local_block_ids)
             task.xfer = self._transport.post_read(peer.agent_name, plan, b"")
         except KVConnectorError as e:
             self._fail_transfer(task, FailReason.TRANSFER, e)
@@ -252,6 +256,7 @@ class Receiver:
                 self._cfg.engine_id,
                 [wire.ClaimItem(t.remote_request_id, list(t.remote_block_ids)) for t in tasks],
                 epoch=self._peers[key].epoch,
+                consumer_rank=self._rank,
             )
             sent_at = self._clock()
             batch = ClaimBatch(self._submit(key, request), sent_at, {t.key: i for i, t in enumerate(tasks)})
@@ -413,7 +418,7 @@ class Receiver:
     def _notify_quietly(self, agent_name: str, remote_request_id: str) -> None:
         """Tell P to free its blocks after a failed read; P's lease covers a lost notice."""
         try:
-            msg = wire.encode(wire.TransferDone(remote_request_id, self._cfg.engine_id), self._hash)
+            msg = wire.encode(wire.TransferDone(remote_request_id, self._cfg.engine_id, rank=self._rank), self._hash)
             self._transport.send_notif(agent_name, msg)
         except KVConnectorError as e:
             logger.debug("could not notify producer %s: %s", agent_name, e)
@@ -423,9 +428,10 @@ class Receiver:
         """(finished, failed) request ids since the last call; releases are not reported."""
         finished: set[str] = set()
         failed: set[str] = set()
-        for key in [key for key, t in self._tasks.items() if t.phase in (RecvPhase.DONE, RecvPhase.FAILED)]:
+        ended = [key for key, t in self._tasks.items() if t.phase in (RecvPhase.DONE, RecvPhase.FAILED)]
+        for key in ended:
             task = self._tasks.pop(key)
-            rid = task.request_id
+            rid = task.request
             if task.kind is RecvKind.RELEASE:  # best effort, no load: P's lease frees what it still holds
                 if task.phase is RecvPhase.FAILED:
                     logger.warning(
@@ -437,8 +443,12 @@ class Receiver:
             if task.phase is RecvPhase.FAILED:
                 self.totals.failures += 1
                 logger.error("request %s: %s", rid, task.error)
+                self._group_failed.add(rid)
+            if task.group and any(t.group == task.group and t.kind is RecvKind.LOAD for t in self._tasks.values()):
+                continue  # another producer rank's heads are still on their way
             finished.add(rid)
-            if task.phase is RecvPhase.FAILED:
+            if rid in self._group_failed:
+                self._group_failed.discard(rid)
                 failed.add(rid)
         return finished, failed
 

@@ -18,8 +18,8 @@ from typing import Any
 from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import KVConnectorError, TransferParamsError
-from kv_connectors.layout import KVLayout
-from kv_connectors.plan import plan_transfer
+from kv_connectors.layout import KVLayout, reader_count
+from kv_connectors.plan import plan_blocks
 from kv_connectors.state import ClaimResult, SendLeases
 from kv_connectors.transports.base import Transport, XferState
 
@@ -46,6 +46,11 @@ class _Write:
     error: str = ""
 
 
+def _reader(engine_id: str, rank: int) -> str:
+    """A consumer rank, as claims and notices name it."""
+    return f"{engine_id}#{rank}"
+
+
 def _tail(own: tuple[int, ...], n: int) -> tuple[int, ...]:
     """P's blocks paired with D's n blocks: the last n (D's own prefix-cache hits are not sent)."""
     return own[len(own) - n :]
@@ -65,8 +70,12 @@ class Sender:
         *,
         clock: Callable[[], float] = time.monotonic,
         epoch: str = "",
+        rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         self._cfg = cfg
+        self._rank, self._tp_size, self._total_heads = rank, tp_size, compat.num_kv_heads
+        self._readers: dict[str, int] = {}  # consumer engine -> how many of its ranks read from this rank
         self._clock = clock
         self.epoch = epoch
         self._transport = transport
@@ -110,7 +119,10 @@ class Sender:
             n = len(request.items)
             return wire.ClaimReply([ClaimResult.GONE.value] * n, [why] * n, hold_s, self.epoch)
         claims = [
-            self.leases.claim(item.key, request.consumer_engine_id, tuple(item.block_ids), now, hold_s) for item in request.items
+            self.leases.claim(
+                item.key, _reader(request.consumer_engine_id, request.consumer_rank), tuple(item.block_ids), now, hold_s
+            )
+            for item in request.items
         ]
         return wire.ClaimReply([c.result.value for c in claims], [c.reason for c in claims], hold_s, self.epoch)
 
@@ -192,7 +204,7 @@ class Sender:
                 continue
             key = msg.producer_request_id
             if not msg.block_ids:
-                self.leases.notice(key, now, msg.consumer_engine_id)  # D needs nothing: free now
+                self.leases.notice(key, now)  # D needs nothing: free now
             elif key in self._cancelled:
                 self._finish(_Write(msg, now), self._cancelled.pop(key)[0])
             else:
@@ -203,7 +215,9 @@ class Sender:
         try:
             self._transport.connect(request.agent_name, request.agent_metadata)
             self._consumers[request.agent_name] = request.layout.to_layout()
-            logger.info("consumer %s connected", request.engine_id)
+            if request.tp_size != self._tp_size:  # the handshake checked that this can be mapped
+                self._readers[request.engine_id] = reader_count(self._total_heads, self._tp_size, request.tp_size, self._rank)
+            logger.info("consumer %s rank %d of %d connected", request.engine_id, request.rank, request.tp_size)
         except KVConnectorError as e:
             logger.error("cannot connect consumer %s: %s", request.engine_id, e)
 
@@ -225,7 +239,7 @@ class Sender:
         try:
             if isinstance(dst, str):
                 raise KVConnectorError(dst)
-            plan = plan_transfer(self._layout, _tail(own, len(req.block_ids)), dst, req.block_ids)
+            plan = plan_blocks(self._layout, _tail(own, len(req.block_ids)), dst, req.block_ids)
             write.runs = plan.num_runs
             notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs), self._hash)
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
@@ -285,7 +299,7 @@ class Sender:
         req = write.request
         assert write.dst is not None
         try:
-            plan = plan_transfer(
+            plan = plan_blocks(
                 self._layout.select(todo),
                 write.src_blocks,
                 write.dst.select(todo),
@@ -344,7 +358,9 @@ class Sender:
         """Request ids whose blocks can be freed: read (D's notices), written, or lease expired."""
         now = self._clock()
         for notice in notices:
-            self.leases.notice(notice.request_id, now, notice.engine_id or None)
+            engine = notice.engine_id or None
+            reader = None if engine is None else _reader(engine, notice.rank)
+            self.leases.notice(notice.request_id, now, reader, engine, self._readers.get(notice.engine_id, 1))
         done, expired = self.leases.take_finished(now)
         for rid in expired:
             logger.warning("request %s: decode side never read its KV; freed after %.0f s lease", rid, self._cfg.lease_s)

@@ -23,6 +23,9 @@ class RecvSpec:
     remote_block_ids: tuple[int, ...]
     report: bool = True
     queued_s: float = 0.0  # how long the request waited in D's queue before this load was scheduled
+    # P's tensor-parallel size when its params state it (None: assume ours; the handshake checks):
+    # each D rank reads from the P ranks holding its heads.
+    remote_tp_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,6 @@ class StepMetadata:
     # P: transfer ids whose prefill ended without KV to send (aborted): D is told at once.
     transfers_cancelled: dict[str, str] = dataclasses.field(default_factory=dict)
     # D: requests queued long enough that P's lease needs heartbeats: request id -> (P's
-    # side-channel key, the key P holds the blocks under); and those that left the queue.
-    renew_start: dict[str, tuple[tuple[str, str, int], str]] = dataclasses.field(default_factory=dict)
+    # side-channel key, the key P holds the blocks under, P's TP size if stated); and those that left the queue.
+    renew_start: dict[str, tuple[tuple[str, str, int], str, int | None]] = dataclasses.field(default_factory=dict)
     renew_stop: set[str] = dataclasses.field(default_factory=set)

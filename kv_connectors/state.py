@@ -24,8 +24,9 @@ class _Lease:
     request_id: str  # vLLM's id of P's request: what is reported when the blocks may be freed
     block_ids: tuple[int, ...]
     deadline: float
-    claims: dict[str, float] = dataclasses.field(default_factory=dict)  # consumer engine id -> claim deadline
+    claims: dict[str, float] = dataclasses.field(default_factory=dict)  # consumer (reader) -> claim deadline
     created: float = 0.0
+    done: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # consumer engine -> its readers done
 
 
 class ClaimResult(enum.Enum):
@@ -128,8 +129,10 @@ class SendLeases:
             lease.deadline = max(lease.deadline, now + lease_s)
             return True
 
-    def notice(self, key: str, now: float, consumer: str | None = None) -> None:
-        """D is done with the blocks held under key (consumer: D's engine id, when known).
+    def notice(self, key: str, now: float, consumer: str | None = None, engine: str | None = None, readers: int = 1) -> None:
+        """D is done with the blocks held under key (consumer: the reader, when known: D's engine id,
+        or one of its tensor-parallel ranks; engine: that D's engine id, whose `readers` ranks each
+        read part of the blocks: the blocks stay until every one of them is done).
 
         Another consumer's live claim keeps the blocks until that claim ends."""
         with self._lock:
@@ -137,6 +140,11 @@ class SendLeases:
             if lease is not None:
                 if consumer is not None:
                     lease.claims.pop(consumer, None)
+                    if engine is not None and readers > 1:
+                        done = lease.done.setdefault(engine, set())
+                        done.add(consumer)
+                        if len(done) < readers:
+                            return
                 if any(until > now for until in lease.claims.values()):
                     return
                 del self._leases[key]
@@ -282,6 +290,16 @@ class RecvTask:
     created: float | None = None
     queued_s: float = 0.0
     claim_s: float | None = None
+    # Tensor parallelism: the producer rank (and TP size) this task reads from; a request whose heads
+    # several producer ranks hold is one task per rank, all under the request's id (group).
+    remote_rank: int = 0
+    remote_tp_size: int = 1
+    group: str = ""  # the request id vLLM knows (request_id is then this task's own)
+
+    @property
+    def request(self) -> str:
+        """The request id reported to vLLM."""
+        return self.group or self.request_id
 
     @property
     def key(self) -> TaskKey:

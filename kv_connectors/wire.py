@@ -198,6 +198,7 @@ class ClaimRequest(msgspec.Struct, frozen=True, tag="claim"):
     consumer_engine_id: str
     items: list[ClaimItem]
     epoch: str = ""  # the producer's epoch from the handshake D's read descriptors came from
+    consumer_rank: int = 0  # D's tensor-parallel rank: each rank reading P's blocks claims them
 
 
 class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
@@ -232,6 +233,7 @@ class TransferDone(msgspec.Struct, frozen=True, tag="done"):
     engine_id: str
     error: str = ""
     runs: int = 0  # push: descriptors (coalesced runs) P wrote
+    rank: int = 0  # the sender's tensor-parallel rank (P frees blocks once every reading D rank is done)
 
 
 Body = (

@@ -15,15 +15,15 @@ from typing import Protocol
 import msgspec
 
 from kv_connectors import sidechannel, wire
-from kv_connectors.config import ConnectorConfig, Staging
+from kv_connectors.config import ConnectorConfig, Staging, TransferMode
 from kv_connectors.counters import Phase
-from kv_connectors.errors import KVConnectorError, TransportError
-from kv_connectors.layout import KVLayout
+from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError, TransportError
+from kv_connectors.layout import KVLayout, reader_count, source_ranks
 from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.receiver import Receiver
 from kv_connectors.renewer import Renewer
 from kv_connectors.sender import Sender
-from kv_connectors.specs import StepMetadata
+from kv_connectors.specs import RecvSpec, StepMetadata
 from kv_connectors.state import FailReason, RecvKind, RecvTask
 from kv_connectors.transports.base import MemoryKind, Transport
 from kv_connectors.transports.staging import StagedTransport
@@ -82,6 +82,7 @@ class WorkerEngine:
         self._hash = ""  # the compatibility hash, once registered
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
         self._staging: StagedTransport | None = None
+        self._renewing: dict[str, list[str]] = {}  # request id -> its renewals (one per P rank read)
 
     @property
     def rank(self) -> int:
@@ -133,7 +134,17 @@ class WorkerEngine:
         )
         # Layer-wise push writes straight from the KV cache: not through a staging pool.
         layers = layer_regions if self._staging is None and self._cfg.layerwise else None
-        self._sender = Sender(self._cfg, transport, layout, compat, layers, clock=self._clock, epoch=self.epoch)
+        self._sender = Sender(
+            self._cfg,
+            transport,
+            layout,
+            compat,
+            layers,
+            clock=self._clock,
+            epoch=self.epoch,
+            rank=self._rank,
+            tp_size=self._tp_size,
+        )
         self._renewer = Renewer(self._cfg.engine_id, self._hash, self._client, self._cfg.handshake_timeout_s, self._clock)
         self._server = server  # last: the handler answers only once everything above exists
         logger.info(
@@ -195,12 +206,8 @@ class WorkerEngine:
             return self._sender.on_renew(body)
         if not isinstance(body, wire.HandshakeRequest):
             return wire.ErrorReply(wire.ErrorCode.BAD_REQUEST, f"unexpected {type(body).__name__}")
-        if body.tp_size != self._tp_size or body.rank != self._rank:
-            why = (
-                f"tensor parallelism differs: server rank {self._rank} of tensor_parallel_size {self._tp_size}, "
-                f"client rank {body.rank} of {body.tp_size} (prefill and decode must run the same "
-                "--tensor-parallel-size; each decode rank reads the prefill rank of the same number)"
-            )
+        why = self._tp_refusal(body)
+        if why:
             logger.error("refused peer %s: %s", body.engine_id, why)
             return wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, why)
         if body.compat.hash() != self._hash:
@@ -219,6 +226,26 @@ class WorkerEngine:
             tp_size=self._tp_size,
         )
 
+    def _tp_refusal(self, body: wire.HandshakeRequest) -> str:
+        """Why a consumer rank may not read from this rank ("" if it may): it must hold some of our
+        heads, and both layouts must tell heads apart where the TP sizes differ."""
+        if (body.rank, body.tp_size) == (self._rank, self._tp_size):
+            return ""
+        assert self._compat is not None and self._layout is not None
+        sizes = f"server rank {self._rank} of tensor_parallel_size {self._tp_size}, client rank {body.rank} of {body.tp_size}"
+        if body.tp_size == self._tp_size:
+            return f"tensor-parallel ranks differ: {sizes} (each decode rank reads the prefill rank of its number)"
+        if self._layout.cells is None or body.layout is None or body.layout.cells is None:
+            return f"tensor parallelism differs ({sizes}) and a KV layout does not tell heads apart"
+        try:
+            reader_count(self._compat.num_kv_heads, self._tp_size, body.tp_size, self._rank)
+            sources = source_ranks(self._compat.num_kv_heads, self._tp_size, body.tp_size, body.rank)
+        except ConfigError as e:
+            return f"tensor parallelism cannot be mapped ({sizes}): {e}"
+        if self._rank not in sources:
+            return f"tensor parallelism differs ({sizes}): that decode rank reads prefill ranks {sources}"
+        return ""
+
     # per step ---------------------------------------------------------------------------------
     def start_load(self, meta: StepMetadata | None) -> None:
         if self._receiver is None or self._sender is None:
@@ -235,36 +262,81 @@ class WorkerEngine:
         # D's request may have come since before_forward: push right after this forward pass then.
         self._sender.begin_layerwise(meta.reqs_layerwise)
         assert self._renewer is not None
-        for rid, (peer, key) in meta.renew_start.items():
-            self._renewer.start(rid, self._same_rank(peer), key)
+        for rid, (peer, key, p_tp) in meta.renew_start.items():
+            try:
+                subs = self._sources(rid, p_tp)
+            except KVConnectorError:
+                continue  # a TP combination that cannot be served: its load fails when scheduled
+            self._renewing[rid] = [sub for sub, _ in subs]
+            for sub, (p_rank, _) in subs:
+                self._renewer.start(sub, self._rank_key(peer, p_rank), key)
         for rid in meta.renew_stop:
-            self._renewer.stop(rid)
+            for sub in self._renewing.pop(rid, [rid]):
+                self._renewer.stop(sub)
         now = self._clock()
         deadline = now + self._cfg.handshake_timeout_s + self._cfg.transfer_timeout_s
         for rid, spec in meta.reqs_to_recv.items():
-            self._receiver.add(
-                RecvTask(
-                    request_id=rid,
-                    kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
-                    peer_key=self._same_rank(spec.peer_key),
-                    remote_request_id=spec.remote_request_id,
-                    local_block_ids=list(spec.local_block_ids),
-                    remote_block_ids=list(spec.remote_block_ids),
-                    deadline=deadline,
-                    started=now,
-                    created=now,
-                    queued_s=spec.queued_s,
+            try:
+                sources = self._sources(rid, spec.remote_tp_size)
+                if len(sources) > 1 or sources[0][1][1] != self._tp_size:
+                    self._check_heterogeneous(spec)
+            except KVConnectorError as e:
+                failed = RecvTask(rid, ("", "", 0), "", [], [], now)
+                failed.fail(FailReason.BAD_PARAMS, str(e))
+                self._receiver.add(failed)
+                continue
+            for sub, (p_rank, p_tp) in sources:
+                self._receiver.add(
+                    RecvTask(
+                        request_id=sub,
+                        kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
+                        peer_key=self._rank_key(spec.peer_key, p_rank),
+                        remote_request_id=spec.remote_request_id,
+                        local_block_ids=list(spec.local_block_ids),
+                        remote_block_ids=list(spec.remote_block_ids),
+                        deadline=deadline,
+                        started=now,
+                        created=now,
+                        queued_s=spec.queued_s,
+                        remote_rank=p_rank,
+                        remote_tp_size=p_tp,
+                        group=rid if len(sources) > 1 else "",
+                    )
                 )
-            )
         for rid, reason in meta.reqs_failed.items():
             task = RecvTask(rid, ("", "", 0), "", [], [], now)
             task.fail(FailReason.BAD_PARAMS, reason)
             self._receiver.add(task)
 
-    def _same_rank(self, peer_key: tuple[str, str, int]) -> tuple[str, str, int]:
-        """P's side channel for this rank: the scheduler names P's rank 0; rank r listens at port + r."""
+    def _sources(self, rid: str, remote_tp_size: int | None) -> list[tuple[str, tuple[int, int]]]:
+        """(task id, (P rank, P's TP size)) for each P rank this rank reads the request's heads from:
+        P's rank of our number when P runs our TP size (or did not say), else those holding our heads."""
+        p_tp = remote_tp_size or self._tp_size
+        if p_tp == self._tp_size:
+            return [(rid, (self._rank, p_tp))]
+        assert self._compat is not None
+        ranks = source_ranks(self._compat.num_kv_heads, p_tp, self._tp_size, self._rank)
+        return [(rid if i == 0 else f"{rid}|p{p}", (p, p_tp)) for i, p in enumerate(ranks)]
+
+    def _check_heterogeneous(self, spec: RecvSpec) -> None:
+        """Another TP size than P's: served by reading (the heads of each P rank), where it can be."""
+        assert self._compat is not None and self._layout is not None
+        p_tp = spec.remote_tp_size
+        where = f"prefill tensor_parallel_size {p_tp}, decode {self._tp_size}"
+        if spec.report and (self._cfg.mode is TransferMode.PUSH or not spec.remote_block_ids):
+            raise TransferParamsError(f"{where}: different TP sizes are served in pull mode with P's block ids only (not push)")
+        if self._layout.cells is None:
+            raise TransferParamsError(f"{where}: this instance's KV layout does not tell heads apart (only the same TP size)")
+        try:
+            reader_count(self._compat.num_kv_heads, p_tp or self._tp_size, self._tp_size, 0)
+        except ConfigError as e:
+            raise TransferParamsError(str(e)) from e
+
+    @staticmethod
+    def _rank_key(peer_key: tuple[str, str, int], p_rank: int) -> tuple[str, str, int]:
+        """P rank p_rank's side channel: the params name P's rank 0; rank r listens at port + r."""
         engine, host, port = peer_key
-        return (engine, host, port + self._rank)
+        return (engine, host, port + p_rank)
 
     def _progress(self) -> None:
         """Advance both sides; notices meant for the sender (blocks D is done with) are kept

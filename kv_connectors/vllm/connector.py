@@ -127,7 +127,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         facts = compat.model_facts(self._vllm_config)
         layout = build_layout(infos, num_blocks, self._block_size)
         layout = dataclasses.replace(layout, cells=self._cells(infos[0], num_blocks, int(facts["num_kv_heads"])))
-        compat_info = CompatInfo(layout=layout.shape_signature(), **facts)
+        compat_info = CompatInfo(layout=layout.compat_signature(), **facts)
         first = next(iter(kv_caches.values()))
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
         self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))

@@ -59,7 +59,7 @@ class SchedulerSide:
         self._layerwise: set[str] = set()  # P: requests whose layers the worker may be writing
         # D: requests waiting in D's queue -> (arrival, P's side channel, P's key), in arrival order;
         # past lease_renew_after_s they move to _renewing and the worker keeps P's lease alive.
-        self._queued: dict[str, tuple[float, tuple[str, str, int], str]] = {}
+        self._queued: dict[str, tuple[float, tuple[str, str, int], str, int | None]] = {}
         self._renewing: set[str] = set()
         self._meta = ConnectorMetadata()
 
@@ -81,7 +81,7 @@ class SchedulerSide:
         rp = self._params_of(request).prefill
         if rp is None:
             return  # no remote prefill; or bad params: failed (and P told) when the scheduler looks at it
-        self._queued[request.request_id] = (self._clock(), rp.peer_key, rp.remote_request_id)
+        self._queued[request.request_id] = (self._clock(), rp.peer_key, rp.remote_request_id, rp.remote_tp_size)
 
     def _left_queue(self, rid: str) -> None:
         self._queued.pop(rid, None)
@@ -91,12 +91,12 @@ class SchedulerSide:
 
     def _start_renewals(self) -> None:
         cutoff = self._clock() - self._cfg.lease_renew_after_s
-        for rid, (arrived, peer, key) in list(self._queued.items()):
+        for rid, (arrived, peer, key, p_tp) in list(self._queued.items()):
             if arrived > cutoff:
                 break  # arrival order: the rest are younger
             del self._queued[rid]
             self._renewing.add(rid)
-            self._meta.renew_start[rid] = (peer, key)
+            self._meta.renew_start[rid] = (peer, key, p_tp)
 
     # D side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -122,13 +122,7 @@ class SchedulerSide:
         num_prompt = len(request.prompt_token_ids or ())
         needed = blocks_for_tokens(num_prompt, self._block_size)
         error = None
-        if rp.remote_tp_size is not None and rp.remote_tp_size != self._tp_size:
-            error = TransferParamsError(
-                f"the prefill instance runs tensor_parallel_size {rp.remote_tp_size}, this decode instance "
-                f"{self._tp_size}: prefill and decode with different TP sizes are not supported yet "
-                "(run both with the same --tensor-parallel-size)"
-            )
-        elif rp.push_only:
+        if rp.push_only:
             pass  # P's blocks are unknown until P writes them: P checks the count then
         elif rp.remote_num_tokens is not None and rp.remote_num_tokens != num_prompt:
             error = TransferParamsError(
@@ -169,10 +163,13 @@ class SchedulerSide:
             local_block_ids=tuple(local),
             remote_block_ids=tuple(remote),
             queued_s=max(0.0, time.time() - arrived) if isinstance(arrived, (int, float)) else 0.0,
+            remote_tp_size=rp.remote_tp_size,
         )
 
     def _release(self, rid: str, rp: RemotePrefill) -> None:
-        self._meta.reqs_to_recv[rid] = RecvSpec(rp.peer_key, rp.remote_request_id, (), (), report=False)
+        self._meta.reqs_to_recv[rid] = RecvSpec(
+            rp.peer_key, rp.remote_request_id, (), (), report=False, remote_tp_size=rp.remote_tp_size
+        )
 
     # P side and both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:

@@ -11,6 +11,7 @@ import numpy as np
 
 from kv_connectors import wire
 from kv_connectors.config import parse_config
+from kv_connectors.layout import Cells, rank_heads
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
 from kv_connectors.transports.memory import MemoryClient, MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.worker import WorkerEngine
@@ -18,6 +19,7 @@ from kv_connectors.worker import WorkerEngine
 NUM_BLOCKS = 16
 BLOCK_SIZE = 4
 BLOCK_WORDS = 64  # float32 words per block per region
+CELL_WORDS = 8  # with heads: float32 words of one token of one head
 P_PORT, D_PORT, D2_PORT = 7001, 7011, 7021  # apart: a TP rank r listens on port + r
 
 
@@ -32,17 +34,17 @@ class FakeClock:
         self.t += dt
 
 
-def compat_for(layout: Any) -> wire.CompatInfo:
+def compat_for(layout: Any, heads: int = 1) -> wire.CompatInfo:
     return wire.CompatInfo(
         architecture="Tiny",
         num_layers=1,
         hidden_size=8,
-        num_kv_heads=1,
+        num_kv_heads=heads,
         head_size=8,
         vocab_size=16,
         dtype="float32",
         block_size=BLOCK_SIZE,
-        layout=layout.shape_signature(),
+        layout=layout.compat_signature(),
     )
 
 
@@ -91,6 +93,7 @@ class Node:
     finished_sending: set[str] = dataclasses.field(default_factory=set)
     finished_recving: set[str] = dataclasses.field(default_factory=set)
     failed_recving: set[str] = dataclasses.field(default_factory=set)
+    recv_reports: list[str] = dataclasses.field(default_factory=list)  # every finished report, in order
 
     def step(self, meta: StepMetadata | None = None, layers: tuple[str, ...] = ()) -> None:
         """One engine step as vLLM drives it: bind metadata, start_load_kv, the forward pass (each
@@ -104,6 +107,7 @@ class Node:
         sending, recving, failed = self.engine.take_results()
         self.finished_sending |= sending
         self.finished_recving |= recving
+        self.recv_reports += sorted(recving)
         self.failed_recving |= failed
 
     def block(self, block_id: int) -> np.ndarray:
@@ -120,8 +124,12 @@ class Cluster:
         d_delay_s: float = 0.0,
         p_tp: int = 1,
         d_tp: int = 1,
+        heads: int | None = None,
     ) -> None:
-        """p_tp, d_tp: the TP sizes P's and D's rank 0 (self.p, self.d) run with (add_rank adds the others)."""
+        """p_tp, d_tp: the TP sizes P's and D's rank 0 (self.p, self.d) run with (add_rank adds the
+        others). heads: the model's KV heads; each rank's blocks then hold its slice of them, as
+        cells of CELL_WORDS words (without, blocks are opaque: whole blocks only)."""
+        self.heads = heads
         self.clock = FakeClock()
         self.fabric = MemoryFabric(self.clock)
         self.p = self._node(
@@ -150,10 +158,16 @@ class Cluster:
     ) -> Node:
         """One worker engine; a TP rank r > 0 listens on port + r (its config names the base port)."""
         cfg = parse_config(engine_id, role, {"side_channel_port": port, **extra})
-        kv = np.zeros((2, NUM_BLOCKS, BLOCK_WORDS), dtype=np.float32)
+        first, heads = (0, 1) if self.heads is None else rank_heads(self.heads, tp_size, rank)
+        words = BLOCK_WORDS if self.heads is None else heads * BLOCK_SIZE * CELL_WORDS
+        kv = np.zeros((2, NUM_BLOCKS, words), dtype=np.float32)
         # Block b of a node holds fill * (b + 1) everywhere: a copy is recognisable by its value.
         kv[:] = fill * (np.arange(NUM_BLOCKS, dtype=np.float32)[None, :, None] + 1)
         layout = host_layout(kv, NUM_BLOCKS, BLOCK_SIZE)
+        if self.heads is not None:  # (regions, blocks, heads, tokens, cell)
+            cell = CELL_WORDS * 4
+            cells = Cells(heads, BLOCK_SIZE * cell, BLOCK_SIZE, cell, cell, first)
+            layout = dataclasses.replace(layout, cells=cells)
         made: list[MemoryTransport] = []
 
         def make(name: str) -> MemoryTransport:
@@ -163,7 +177,8 @@ class Cluster:
         client = HeldClient(self.fabric.client())
         engine = WorkerEngine(cfg, rank, make, "memory", serve=self.fabric.serve, client=client, clock=self.clock, tp_size=tp_size)
         # Each region is one "layer" (layer-wise push writes a layer's regions as it is computed).
-        engine.register(layout, compat_for(layout), layer_regions={"layer.0": (0,), "layer.1": (1,)})
+        compat = compat_for(layout, self.heads or 1)
+        engine.register(layout, compat, layer_regions={"layer.0": (0,), "layer.1": (1,)})
         return Node(engine, kv, made[-1], client)
 
     def add_rank(self, role: str, rank: int, tp_size: int, fill: float, extra: dict | None = None) -> Node:

@@ -463,7 +463,7 @@ def test_heartbeats_to_a_frozen_producer_do_not_pile_up():
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
     c.fabric.frozen.add(P_SIDE_CHANNEL)
-    c.d.step(StepMetadata(renew_start={"d1": (PEER, "r1")}))
+    c.d.step(StepMetadata(renew_start={"d1": (PEER, "r1", None)}))
     c.run(20, dt=0.5, nodes=(c.d,))
     assert _requests(c, wire.RenewRequest) == 1, "a second renewal while the first is unanswered"
     assert c.d.engine.stats.lease_renewals == 0
@@ -473,7 +473,7 @@ def test_heartbeats_to_a_dead_side_channel_are_retried(caplog):
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
     c.fabric.dead.add(P_SIDE_CHANNEL)
-    c.d.step(StepMetadata(renew_start={"d1": (PEER, "r1")}))
+    c.d.step(StepMetadata(renew_start={"d1": (PEER, "r1", None)}))
     with caplog.at_level(logging.WARNING, logger="kv_connectors.renewer"):
         c.run(4, dt=0.5, nodes=(c.d,))
     assert "could not renew leases" in caplog.text
@@ -487,7 +487,7 @@ def test_heartbeats_stopped_while_one_is_in_flight_end_after_its_answer():
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
     c.d.client.holding = True
-    c.d.step(StepMetadata(renew_start={"d1": (PEER, "r1")}))
+    c.d.step(StepMetadata(renew_start={"d1": (PEER, "r1", None)}))
     c.run(1, dt=0.5, nodes=(c.d,))
     c.d.step(StepMetadata(renew_stop={"d1", "never-started"}))
     c.d.client.holding = False

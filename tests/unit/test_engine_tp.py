@@ -8,7 +8,7 @@ import numpy as np
 
 from kv_connectors.params import TP_SIZE, parse_remote_prefill, producer_params
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
-from tests.unit.engine_harness import P_PORT, Cluster, Node
+from tests.unit.engine_harness import CELL_WORDS, P_PORT, Cluster, Node
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
@@ -82,7 +82,7 @@ def test_heartbeats_keep_every_prefill_ranks_lease():
     c, ps, ds = _tp2()
     _prefill(ps, "r1")
     for d in ds:
-        d.step(StepMetadata(renew_start={"d1": (PEER, "r1")}))
+        d.step(StepMetadata(renew_start={"d1": (PEER, "r1", None)}))
     for _ in range(40):  # 8 s of queueing against P's 5 s lease
         c.clock.advance(0.2)
         for n in [*ds, *ps]:
@@ -99,6 +99,8 @@ def test_heartbeats_keep_every_prefill_ranks_lease():
 
 
 def test_a_decode_instance_of_another_tp_size_is_refused_within_the_handshake_deadline():
+    """Blocks whose heads cannot be told apart (no cells), P's TP size not in the params: P's
+    handshake refuses the D rank of another TP size."""
     c = Cluster(p_tp=2, d_tp=1)  # D (TP 1) reaches P's rank 0 of 2
     c.prefill_done("r1", P_BLOCKS)
     c.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
@@ -109,6 +111,7 @@ def test_a_decode_instance_of_another_tp_size_is_refused_within_the_handshake_de
 
 
 def test_refusal_names_both_sides_tp_sizes(caplog):
+    """Likewise from the other side (D at TP 2, P at 1)."""
     c = Cluster(p_tp=1, d_tp=2)
     c.prefill_done("r1", P_BLOCKS)
     with caplog.at_level("ERROR"):
@@ -124,3 +127,95 @@ def test_producer_params_carry_the_tp_size_and_decode_reads_it():
     assert params[TP_SIZE] == 4 and parse_remote_prefill(params).remote_tp_size == 4
     del params[TP_SIZE]
     assert parse_remote_prefill(params).remote_tp_size is None
+
+
+# Heterogeneous TP: blocks with cells (2 KV heads, one per rank at TP 2) --------------------------
+
+
+def _heads(node: Node, block: int, first_head: int) -> dict[int, np.ndarray]:
+    """Global head -> that head's words in a block (both regions)."""
+    b = node.kv[:, block, :].reshape(2, -1, 4 * CELL_WORDS)
+    return {first_head + h: b[:, h].copy() for h in range(b.shape[1])}
+
+
+def _params_recv(ds: list[Node], rid: str, remote_rid: str, p_tp: int, report: bool = True) -> None:
+    spec = RecvSpec(PEER, remote_rid, D_BLOCKS if report else (), P_BLOCKS if report else (), report=report, remote_tp_size=p_tp)
+    for d in ds:
+        d.step(StepMetadata(reqs_to_recv={rid: spec}))
+
+
+def test_prefill_tp1_to_decode_tp2_each_decode_rank_reads_its_head_and_p_frees_after_both():
+    c = Cluster(d_tp=2, heads=2)
+    d1 = c.add_rank("kv_consumer", 1, 2, fill=-1.0)
+    c.prefill_done("r1", P_BLOCKS)
+    _params_recv([c.d], "d1", "r1", p_tp=1)
+    _run(c, [c.d, c.p])
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving
+    assert not c.p.finished_sending, "P freed its blocks while D rank 1 had not read its head yet"
+    _params_recv([d1], "d1", "r1", p_tp=1)
+    _run(c, [d1, c.p])
+    assert d1.finished_recving == {"d1"} and c.p.finished_sending == {"r1"}
+    for pb, db in zip(P_BLOCKS, D_BLOCKS):
+        p_heads = _heads(c.p, pb, 0)
+        assert np.array_equal(_heads(c.d, db, 0)[0], p_heads[0])
+        assert np.array_equal(_heads(d1, db, 1)[1], p_heads[1])
+    assert c.p.engine.stats.expired_leases == 0
+
+
+def test_prefill_tp2_to_decode_tp1_reads_each_head_from_its_prefill_rank():
+    c = Cluster(p_tp=2, heads=2)
+    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
+    p1.kv += 100  # P rank 1's head is recognisable
+    for p in (c.p, p1):
+        p.step(StepMetadata(reqs_to_send={"r1": SendSpec(P_BLOCKS, "r1")}))
+    _params_recv([c.d], "d1", "r1", p_tp=2)
+    _run(c, [c.d, c.p, p1])
+    assert c.d.recv_reports == ["d1"] and not c.d.failed_recving
+    for pb, db in zip(P_BLOCKS, D_BLOCKS):
+        got = _heads(c.d, db, 0)
+        assert np.array_equal(got[0], _heads(c.p, pb, 0)[0]) and np.array_equal(got[1], _heads(p1, pb, 1)[1])
+    assert c.p.finished_sending == {"r1"} and p1.finished_sending == {"r1"}
+    assert c.d.engine.stats.recv_transfers == 2  # one read per prefill rank
+
+
+def test_one_failed_prefill_rank_fails_the_request_once_after_every_read_ended():
+    """P rank 0 serves at once; P rank 1 never learns of the request (its claim stays pending until
+    D gives up): D reports the request once, failed, when the second read ends."""
+    c = Cluster(p_tp=2, heads=2)
+    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
+    c.prefill_done("r1", P_BLOCKS)
+    _params_recv([c.d], "d1", "r1", p_tp=2)
+    _run(c, [c.d, c.p, p1])
+    assert not c.d.recv_reports, "reported while P rank 1's heads were still on their way"
+    assert c.p.finished_sending == {"r1"}, "P rank 0 is not freed once D is done with it"
+    c.run(steps=20, dt=0.2, nodes=(c.d, c.p, p1))
+    assert c.d.failed_recving == {"d1"} and c.d.recv_reports == ["d1"]
+
+
+def test_heterogeneous_tp_in_push_mode_is_refused_at_once_naming_both_sizes():
+    c = Cluster(d_tp=2, heads=2, d_extra={"mode": "push"})
+    c.prefill_done("r1", P_BLOCKS)
+    _params_recv([c.d], "d1", "r1", p_tp=1)
+    assert c.d.failed_recving == {"d1"}
+    assert c.d.engine.stats.recv_failures == 1
+
+
+def test_a_prefill_rank_nobody_would_read_is_refused(caplog):
+    """2 heads, P at TP 4 (heads replicated over two ranks each), D at TP 1: P ranks 1 and 3 would
+    hold their blocks until their leases ran out: refused."""
+    c = Cluster(p_tp=4, heads=2)
+    with caplog.at_level("ERROR"):
+        _params_recv([c.d], "d1", "r1", p_tp=4)
+    assert c.d.failed_recving == {"d1"}
+    assert "would never be read" in caplog.text
+
+
+def test_releases_reach_every_prefill_rank_read_from():
+    c = Cluster(p_tp=2, heads=2)
+    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
+    for p in (c.p, p1):
+        p.step(StepMetadata(reqs_to_send={"r1": SendSpec(P_BLOCKS, "r1")}))
+    _params_recv([c.d], "d1", "r1", p_tp=2, report=False)
+    _run(c, [c.d, c.p, p1])
+    assert c.p.finished_sending == {"r1"} and p1.finished_sending == {"r1"}
+    assert not c.d.finished_recving

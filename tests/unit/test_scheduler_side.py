@@ -48,7 +48,7 @@ def test_queued_requests_get_heartbeats_until_scheduled_or_finished():
     assert not side.build_connector_meta(OUTPUT).renew_start, "a request scheduled at once needs no heartbeat"
     clock.advance(0.6)  # a and b queued 1.1 s, c 0.6 s
     meta = side.build_connector_meta(OUTPUT)
-    assert meta.renew_start == {"a": (("P", "127.0.0.1", 7001), "ka"), "b": (("P", "127.0.0.1", 7001), "kb")}
+    assert meta.renew_start == {"a": (("P", "127.0.0.1", 7001), "ka", None), "b": (("P", "127.0.0.1", 7001), "kb", None)}
     # a is scheduled: its load starts and its heartbeats stop in the same step.
     assert side.get_num_new_matched_tokens(a, 0) == (64, True)
     side.update_state_after_alloc(a, _blocks([5, 6]), 64)
@@ -106,20 +106,24 @@ def test_params_are_parsed_once_per_request_and_forgotten_when_it_finishes(monke
     assert len(calls) == 1 and not p._params
 
 
-def test_a_prefill_of_another_tp_size_fails_the_request_at_once_naming_both_sizes():
-    """D at TP 2 given a TP 1 prefill's params (they state P's size): failed before any handshake,
-    and P is still told to free its blocks; params of the same size load as usual."""
-    side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock(), tp_size=2)
-    a, b = _request("a", "ka"), _request("b", "kb")
-    a.kv_transfer_params["tp_size"] = 1
-    b.kv_transfer_params["tp_size"] = 2
-    for r in (a, b):
-        assert side.get_num_new_matched_tokens(r, 0) == (64, True)
-        side.update_state_after_alloc(r, _blocks([5, 6]), 64)
+def test_the_prefills_tp_size_travels_from_p_to_d_workers():
+    """P's params state its TP size; D's scheduler hands it to its workers (each reads from the P
+    ranks holding its heads) for loads, releases and heartbeats."""
+    clock = FakeClock()
+    side = SchedulerSide(parse_config("D", "kv_consumer", {"lease_renew_after_s": 1.0}), BLOCK, 7002, clock=clock, tp_size=2)
+    a, b, q = _request("a", "ka"), _request("b", "kb"), _request("q", "kq")
+    for r in (a, b, q):
+        r.kv_transfer_params["tp_size"] = 1
+        side.on_new_request(r)
+    clock.advance(2.0)
+    assert side.build_connector_meta(OUTPUT).renew_start["q"][2] == 1
+    side.get_num_new_matched_tokens(a, 0)
+    side.update_state_after_alloc(a, _blocks([5, 6]), 64)
+    side.get_num_new_matched_tokens(b, 64)
+    side.update_state_after_alloc(b, _blocks([]), 0)  # every block a local hit: a release
     meta = side.build_connector_meta(OUTPUT)
-    assert "tensor_parallel_size 1, this decode instance 2" in meta.reqs_failed["a"]
-    assert not meta.reqs_to_recv["a"].report  # the release
-    assert "b" not in meta.reqs_failed and meta.reqs_to_recv["b"].report
+    assert meta.reqs_to_recv["a"].remote_tp_size == 1 and meta.reqs_to_recv["a"].report
+    assert meta.reqs_to_recv["b"].remote_tp_size == 1 and not meta.reqs_to_recv["b"].report
 
     p = SchedulerSide(parse_config("P", "kv_producer", {}), BLOCK, 7001, clock=FakeClock(), tp_size=2)
     r = _request("r", "")
