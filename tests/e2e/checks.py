@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+from kv_connectors.layout import source_ranks
 from kvc_testing.cluster import (
     generate,
     make_prompts,
@@ -19,6 +20,7 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 
 MAX_TOKENS = 8
 BLOCK_SIZE = 32
+TINY_KV_HEADS = 2  # kvc_testing.tiny_model's
 # From 1 token to near max_model_len, on and around block boundaries.
 LENGTHS = [
     1,
@@ -56,15 +58,20 @@ def fresh_prompts(seed: int) -> list[list[int]]:
     return make_prompts(LENGTHS, seed=seed)
 
 
-def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy, prompts=PROMPTS, tp: int = 1) -> None:
+def assert_pd_matches_colocated(
+    reference, prefill_server, decode_server, proxy, prompts=PROMPTS, p_tp: int = 1, d_tp: int = 1
+) -> None:
     """Every prompt through the proxy equals the colocated run; D loaded each one; P freed all.
 
     A D that already served these prompts has them in its prefix cache and loads fewer blocks:
-    give such a D fresh prompts (`fresh_prompts`). tp: both sides' tensor-parallel size (every
-    rank loads and frees each prompt: its counters are checked rank by rank, /metrics sums them)."""
+    give such a D fresh prompts (`fresh_prompts`). p_tp, d_tp: the tensor-parallel sizes (each D
+    rank reads each prompt from every P rank holding its heads, and each P rank frees each prompt:
+    counters are checked rank by rank, /metrics sums them over ranks)."""
     lengths = [len(p) for p in prompts]
-    ranks0 = [(stats(prefill_server, rank=r), stats(decode_server, rank=r)) for r in range(tp)]
-    p0, d0 = ranks0[0]
+    reads = [len(source_ranks(TINY_KV_HEADS, p_tp, d_tp, r)) for r in range(d_tp)]  # per D rank, per prompt
+    p_ranks0 = [stats(prefill_server, rank=r) for r in range(p_tp)]
+    d_ranks0 = [stats(decode_server, rank=r) for r in range(d_tp)]
+    p0, d0 = p_ranks0[0], d_ranks0[0]
     d_metric0 = metric(decode_server.url, "kvc:recv_transfers_total")
     p_metric0 = metric(prefill_server.url, "kvc:completed_sends_total")
     expected = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
@@ -73,11 +80,12 @@ def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy,
     mismatches = [(n, e, g) for n, e, g in zip(lengths, expected, got) if e != g]
     assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
 
-    for rank, (p0, d0) in enumerate(ranks0):
+    for rank, d0 in enumerate(d_ranks0):
         d1 = stats(decode_server, rank=rank)
-        assert d1.recv_transfers - d0.recv_transfers == len(prompts), f"D rank {rank} did not load every prompt from P"
+        assert d1.recv_transfers - d0.recv_transfers == len(prompts) * reads[rank], f"D rank {rank} did not load every prompt"
         assert d1.recv_failures == d0.recv_failures
         assert d1.recv_blocks - d0.recv_blocks >= sum(-(-n // BLOCK_SIZE) for n in lengths) // 2
+    for rank, p0 in enumerate(p_ranks0):
         # Every block P held for D is freed once D has it: P's counters and vLLM's own gauge.
         wait_until(lambda r=rank: stats(prefill_server, rank=r).held_blocks == 0, 10, f"P rank {rank} to free the blocks D loaded")
         p1 = stats(prefill_server, rank=rank)
@@ -86,12 +94,12 @@ def assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy,
     wait_until(lambda: metric(prefill_server.url, "vllm:kv_cache_usage_perc") == 0.0, 10, "P's KV usage to reach 0")
     # The same counters on each server's /metrics (through vLLM's KVConnectorStats and Prometheus hooks).
     wait_until(
-        lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(prompts) * tp,
+        lambda: metric(decode_server.url, "kvc:recv_transfers_total") - d_metric0 == len(prompts) * sum(reads),
         10,
         "D's /metrics to count every load",
     )
     wait_until(
-        lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(prompts) * tp,
+        lambda: metric(prefill_server.url, "kvc:completed_sends_total") - p_metric0 == len(prompts) * p_tp,
         10,
         "P's /metrics to count every completed send",
     )

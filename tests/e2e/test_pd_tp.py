@@ -1,6 +1,7 @@
-"""Tensor parallelism with real vLLM servers: P and D at TP 2 (a worker process per rank, one core
-each), each decode rank loading its KV heads from the prefill rank of its number; a decode instance
-of another TP size is refused per request, fast, and keeps serving."""
+"""Tensor parallelism with real vLLM servers (the tiny model's 2 KV heads; a worker process per rank,
+one core each): P and D at TP 2, each decode rank loading its heads from the prefill rank of its
+number; P at TP 1 with D at TP 2 and the reverse (each D rank reads its heads from the P ranks
+holding them); a combination that cannot be served fails fast and D keeps serving."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, generate, output_ids, pd_server, prefill, stats
+from kvc_testing.cluster import (
+    ENTRY_POINT_FORM,
+    MODULE_FORM,
+    ProxyProcess,
+    generate,
+    output_ids,
+    pd_server,
+    prefill,
+    stats,
+    transfer_id_params,
+)
 from kvc_testing.procs import VllmServer
 from tests.e2e.checks import (
     MAX_TOKENS,
@@ -52,7 +63,22 @@ def test_tp2_pull_through_the_proxy_equals_colocated(reference, tp_prefill, tp_d
     TP 1 server token for token (a rank reading the other rank's heads would change it)."""
     with ProxyProcess([tp_prefill.url], [tp_decode.url]) as proxy:
         proxy.wait_ready()
-        assert_pd_matches_colocated(reference, tp_prefill, tp_decode, proxy, tp=TP)
+        assert_pd_matches_colocated(reference, tp_prefill, tp_decode, proxy, p_tp=TP, d_tp=TP)
+
+
+def test_prefill_tp1_to_decode_tp2_through_the_proxy(reference, prefill_server, tp_decode):
+    """Each D rank reads its one head out of P's blocks (which hold both): P frees a prompt only
+    once both D ranks are done with it."""
+    with ProxyProcess([prefill_server.url], [tp_decode.url]) as proxy:
+        proxy.wait_ready()
+        assert_pd_matches_colocated(reference, prefill_server, tp_decode, proxy, prompts=fresh_prompts(31), p_tp=1, d_tp=TP)
+
+
+def test_prefill_tp2_to_decode_tp1_through_the_proxy(reference, tp_prefill, decode_server):
+    """D's one rank reads head 0 from P rank 0 and head 1 from P rank 1."""
+    with ProxyProcess([tp_prefill.url], [decode_server.url]) as proxy:
+        proxy.wait_ready()
+        assert_pd_matches_colocated(reference, tp_prefill, decode_server, proxy, prompts=fresh_prompts(32), p_tp=TP, d_tp=1)
 
 
 def test_tp2_transfer_id_flow_with_layerwise_push(reference, tp_prefill, tp_decode):
@@ -70,36 +96,23 @@ def test_tp2_foreign_kv_changes_decode_output(reference, perturbed_model, tp_dec
         assert_foreign_kv_changes_output(reference, server, tp_decode)
 
 
-def test_decode_of_another_tp_size_is_refused_fast_and_keeps_serving(tiny_model, reference, tp_prefill):
-    """D at TP 1 given a TP 2 prefill's params: refused at once naming both sizes (the params state
-    P's size), and in the transfer-id flow by P's handshake within the handshake deadline; D
-    serves the next request."""
-    d1 = pd_server(
-        tiny_model,
-        "kv_consumer",
-        name="D-tp1",
-        max_model_len=MAX_MODEL_LEN,
-        extra_config={"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
-    )
-    with d1:
-        prompt = PROMPTS[10]
-        params = prefill(tp_prefill.url, prompt)
-        t0 = time.monotonic()
-        r = generate(d1.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=60)
-        assert time.monotonic() - t0 < HANDSHAKE_S
-        assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
-        d1.wait_log("tensor_parallel_size 2, this decode instance 1", 10)
+def test_unservable_tp_combination_fails_within_the_handshake_deadline_and_decode_keeps_serving(
+    reference, prefill_server, tp_decode
+):
+    """The transfer-id flow does not tell D P's TP size, and P's push would have to split its heads
+    over two D ranks: D at TP 2 and P at TP 1 fail the request (no rank of P's at port + 1, and
+    rank 0 answers as 0 of 1) within the handshake deadline; D then serves the next request."""
+    prompt = fresh_prompts(33)[10]
+    p_params, d_params = transfer_id_params(prefill_server)
+    assert generate(prefill_server.url, prompt, 1, kv_transfer_params=p_params).status_code == 200
+    d0 = stats(tp_decode)
+    t0 = time.monotonic()
+    r = generate(tp_decode.url, prompt, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
+    assert time.monotonic() - t0 < HANDSHAKE_S + 5
+    assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
+    tp_decode.wait_log("expected the prefill's rank 0 of 2", 10)
+    assert stats(tp_decode).recv_failures == d0.recv_failures + 1
 
-        p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "kvc-tp-mismatch"}
-        d_params = {**p_params, "do_remote_decode": False, "do_remote_prefill": True}
-        d_params |= {"remote_host": "127.0.0.1", "remote_port": tp_prefill.side_channel_port}
-        assert generate(tp_prefill.url, prompt, 1, kv_transfer_params=p_params).status_code == 200
-        t0 = time.monotonic()
-        r = generate(d1.url, prompt, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
-        assert time.monotonic() - t0 < HANDSHAKE_S + 5
-        assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
-        d1.wait_log("rank 0 of tensor_parallel_size 2, client rank 0 of 1", 10)
-        assert stats(d1).recv_failures == 2
-
-        expected = output_ids(generate(reference.url, PROMPTS[3], MAX_TOKENS))
-        assert output_ids(generate(d1.url, PROMPTS[3], MAX_TOKENS)) == expected
+    params = prefill(prefill_server.url, PROMPTS[3])  # the params flow states P's TP size: served
+    got = output_ids(generate(tp_decode.url, PROMPTS[3], MAX_TOKENS, kv_transfer_params=params))
+    assert got == output_ids(generate(reference.url, PROMPTS[3], MAX_TOKENS))
