@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from kv_connectors.layout import KVLayout
-from kv_connectors.plan import TransferPlan, plan_transfer
+from kv_connectors.layout import KVLayout, rank_heads, source_ranks
+from kv_connectors.plan import TransferPlan, plan_blocks
 from kv_connectors.transports.base import Transport, XferState
 from kvc_testing import peers
-from kvc_testing.peers import Peer, PeerSpec, Shape, check_pattern, fill_pattern, fill_sentinel
+from kvc_testing.peers import Peer, PeerSpec, Shape, check_heads, check_pattern, fill_pattern, fill_sentinel
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def time_plan(src: KVLayout, dst: KVLayout, s: np.ndarray, d: np.ndarray) -> tup
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        plan = plan_transfer(src, s, dst, d)
+        plan = plan_blocks(src, s, dst, d)
         best = min(best, time.perf_counter() - t0)
     return plan, best
 
@@ -178,19 +178,38 @@ def tcp_gbps(nbytes: int, repeat: int) -> list[float]:
     return out
 
 
+def tp_shapes(args: argparse.Namespace) -> tuple[Shape, Shape]:
+    """(P's, D's) KV caches: P rank holding the first heads D rank args.d_rank reads (of
+    args.kv_heads over args.p_tp ranks), D rank holding its own; both with args.block_kib's tokens
+    per block, P with args.size_mib."""
+    p_rank = source_ranks(args.kv_heads, args.p_tp, args.d_tp, args.d_rank)[0]
+    p_first, p_heads = rank_heads(args.kv_heads, args.p_tp, p_rank)
+    d_first, d_heads = rank_heads(args.kv_heads, args.d_tp, args.d_rank)
+    if (args.size_mib * d_heads) % p_heads or (args.block_kib * d_heads) % p_heads:
+        raise SystemExit("--size-mib and --block-kib must split into D's heads")
+    p = Shape(args.size_mib, args.block_kib, args.layers, p_heads, p_first)
+    d = Shape(args.size_mib * d_heads // p_heads, args.block_kib * d_heads // p_heads, args.layers, d_heads, d_first)
+    return p, d
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape = Shape(args.size_mib, args.block_kib, args.layers)
-    shape.check()
+    p_shape, d_shape = tp_shapes(args)
+    p_shape.check()
+    d_shape.check()
+    shape = p_shape
+    hetero = (p_shape.heads, p_shape.first_head) != (d_shape.heads, d_shape.first_head)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback between the two processes
     push = args.mode == "push"
+    if hetero and (push or args.staging == "on"):
+        raise SystemExit("different TP sizes are benchmarked pulling, without staging (as the connector serves them)")
     pool, chunk = (args.pool_mib << 20, args.chunk_kib << 10) if args.staging == "on" else (0, 0)
     # P holds the blocks D reads (pull), or sentinels the other process writes into (push).
-    p_spec = engine_spec(args, "bench-p", shape, "sentinel" if push else "pattern", pool, chunk)
+    p_spec = engine_spec(args, "bench-p", p_shape, "sentinel" if push else "pattern", pool, chunk)
     transport = None
     p: Peer | None = None
     try:
         # D: every byte marked "not copied" (also prefaults); push fills the pattern below.
-        transport, kv, local = open_side(engine_spec(args, "bench-d", shape, "sentinel", pool, chunk))
+        transport, kv, local = open_side(engine_spec(args, "bench-d", d_shape, "sentinel", pool, chunk))
         p = start_p(p_spec)
         transport.connect("bench-p", p.metadata)
         if args.staging == "on" and p.call("connect", "bench-d", transport.local_metadata()) != "ok":
@@ -203,11 +222,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counts = {}
         for o in ("sequential", "shuffled"):
             s_ids, d_ids = block_ids(o, shape.num_blocks, args.seed)
-            counts[o] = plan_transfer(src_layout, s_ids, dst_layout, d_ids).num_runs
+            counts[o] = plan_blocks(src_layout, s_ids, dst_layout, d_ids).num_runs
         src_ids, dst_ids = block_ids(args.order, shape.num_blocks, args.seed)
         plan, plan_s = time_plan(src_layout, dst_layout, src_ids, dst_ids)
 
-        one = plan_transfer(src_layout, [0], dst_layout, [0])  # one block of every layer: latency probe
+        one = plan_blocks(src_layout, [0], dst_layout, [0])  # one block of every layer: latency probe
         if push:
             fill_pattern(kv)
         run_xfer(transport, plan, poll_s, b"warmup", write=push)  # connection set-up, page tables
@@ -220,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batches: list[int] = []
         secs = [run_xfer(transport, plan, poll_s, b"timed", batches, write=push)]
         if not push:
-            err = check_pattern(kv, src_ids, dst_ids)
+            err = check_heads(kv, src_ids, dst_ids, p_shape, d_shape) if hetero else check_pattern(kv, src_ids, dst_ids)
             if err:
                 raise SystemExit(err)
         secs += [run_xfer(transport, plan, poll_s, b"timed", write=push) for _ in range(args.repeat - 1)]
@@ -239,8 +258,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "block_kib": args.block_kib,
             "layers": args.layers,
             "blocks": shape.num_blocks,
+            "kv_heads": args.kv_heads,
+            "p_tp": args.p_tp,
+            "d_tp": args.d_tp,
+            "d_rank": args.d_rank,
+            "p_heads": [p_shape.first_head, p_shape.heads],
+            "d_heads": [d_shape.first_head, d_shape.heads],
             "bytes": plan.total_bytes,
             "descriptors": plan.num_runs,
+            "runs_per_block": round(plan.num_runs / shape.num_blocks, 3),
             "descriptors_by_order": counts,
             "plan_ms": round(plan_s * 1e3, 3),
             "repeat": args.repeat,
@@ -293,7 +319,18 @@ def report(r: dict[str, Any]) -> None:
         f"descriptors: {r['descriptors']} (sequential {by['sequential']}, shuffled {by['shuffled']}){batches}; "
         f"plan {r['plan_ms']:.2f} ms"
     )
+    if r["p_tp"] != 1 or r["d_tp"] != 1:
+        print(
+            f"tensor parallelism: {r['kv_heads']} KV heads; P at TP {r['p_tp']} holds heads {r['p_heads']} "
+            f"(first, count), D rank {r['d_rank']} of {r['d_tp']} holds {r['d_heads']}: {r['runs_per_block']} runs per block"
+        )
     print(f"transport: best {r['gbps_best']:.2f} GB/s, median {r['gbps']:.2f} GB/s over {r['repeat']} repeats (bytes verified)")
+    if "ratio_homogeneous" in r:
+        h = r["homogeneous"]
+        print(
+            f"same D rank from a P of its own TP size, same run: {h['gbps']:.2f} GB/s, {h['descriptors']} descriptors; "
+            f"ratio heterogeneous/homogeneous {r['ratio_homogeneous']:.3f}"
+        )
     print(f"memcpy, {r['memcpy']}: best {r['memcpy_gbps_best']:.2f}, median {r['memcpy_gbps']:.2f} GB/s")
     print(f"ratio transport/memcpy (medians): {r['ratio']:.3f}")
     if "tcp_gbps" in r:
@@ -352,6 +389,15 @@ def main(argv: list[str] | None = None) -> None:
         help="--sweep: KV sizes in MiB (default 1,4,16,64,256,1024); sizes that do not fit memory are skipped",
     )
     ap.add_argument("--plot", metavar="FILE.png", help="--sweep: draw transfer time against KV size")
+    ap.add_argument("--kv-heads", type=int, default=2, help="the model's KV heads (the benchmark KV holds them per rank)")
+    ap.add_argument("--p-tp", type=int, default=1, help="P's tensor-parallel size")
+    ap.add_argument("--d-tp", type=int, default=1, help="D's tensor-parallel size")
+    ap.add_argument("--d-rank", type=int, default=0, help="the D rank played here (reads from the first P rank holding its heads)")
+    ap.add_argument(
+        "--compare-homogeneous",
+        action="store_true",
+        help="with --p-tp != --d-tp: first the same D rank reading from a P of its TP size, same bytes (ratio_homogeneous)",
+    )
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.repeat < 1:
@@ -372,7 +418,17 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("lists of transports/modes/orders/staging and --plot need --sweep")
     for key, values in axes.items():
         setattr(args, key, values[0])
+    baseline = None
+    if args.compare_homogeneous and args.p_tp != args.d_tp:
+        same = argparse.Namespace(**{**vars(args), "p_tp": args.d_tp})
+        same.size_mib, same.block_kib = tp_shapes(args)[1].size_mib, tp_shapes(args)[1].block_kib  # D's bytes
+        baseline = run(same)
+        report(baseline)
+        print()
     result = run(args)
+    if baseline is not None:
+        result["homogeneous"] = {k: baseline[k] for k in ("gbps", "descriptors", "runs_per_block", "xfer_ms")}
+        result["ratio_homogeneous"] = round(result["gbps"] / baseline["gbps"], 3)
     report(result)
     if args.json:
         print(json.dumps(result), flush=True)

@@ -29,7 +29,7 @@ import numpy as np
 
 from kv_connectors.config import ConnectorConfig, Role
 from kv_connectors.errors import TransportError
-from kv_connectors.layout import KVLayout, TensorInfo, build_layout
+from kv_connectors.layout import Cells, KVLayout, TensorInfo, build_layout
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transports import create_transport, ucx_on_loopback
 from kv_connectors.transports.base import MemoryKind, Transport, XferState
@@ -127,27 +127,35 @@ SENTINEL = -0x2152411021524111  # 0xDEADBEEFDEADBEEF as int64: "not copied"
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A KV cache of `layers` tensors (num_blocks, KV_HEADS, block_size, HEAD_DIM_X2) float32."""
+    """A KV cache of `layers` tensors (num_blocks, heads, block_size, HEAD_DIM_X2) float32: a
+    tensor-parallel rank holding `heads` of the model's KV heads from first_head on."""
 
     size_mib: int
     block_kib: int
     layers: int
+    heads: int = KV_HEADS
+    first_head: int = 0
 
     @property
     def block_size(self) -> int:  # tokens per block giving block_kib KiB per layer segment
-        return self.block_kib * 1024 // (KV_HEADS * HEAD_DIM_X2 * F32)
+        return self.block_kib * 1024 // (self.heads * HEAD_DIM_X2 * F32)
 
     @property
     def num_blocks(self) -> int:
         return self.size_mib * 1024 // (self.block_kib * self.layers)
+
+    def cells(self) -> Cells:
+        """One token of one head: HEAD_DIM_X2 floats; heads outside tokens (vLLM's CPU layout)."""
+        cell = HEAD_DIM_X2 * F32
+        return Cells(self.heads, self.block_size * cell, self.block_size, cell, cell, self.first_head)
 
     @property
     def words_per_block(self) -> int:  # 64-bit words in one block segment
         return self.block_kib * 1024 // 8
 
     def check(self) -> None:
-        if self.block_kib * 1024 % (KV_HEADS * HEAD_DIM_X2 * F32) or self.block_size < 1:
-            raise SystemExit(f"--block-kib must be a multiple of {KV_HEADS * HEAD_DIM_X2 * F32 // 1024 or 1} KiB")
+        if self.block_kib * 1024 % (self.heads * HEAD_DIM_X2 * F32) or self.block_size < 1:
+            raise SystemExit(f"--block-kib must be a multiple of {self.heads * HEAD_DIM_X2 * F32 / 1024:g} KiB")
         if self.num_blocks < 1 or self.num_blocks * self.block_kib * self.layers != self.size_mib * 1024:
             raise SystemExit("--size-mib must be a multiple of --block-kib x --layers")
 
@@ -157,7 +165,7 @@ def bench_kv(shape: Shape, device: str = "cpu", fill: str = "") -> list[Any]:
     import torch
 
     kv = [
-        torch.empty((shape.num_blocks, KV_HEADS, shape.block_size, HEAD_DIM_X2), dtype=torch.float32, device=device)
+        torch.empty((shape.num_blocks, shape.heads, shape.block_size, HEAD_DIM_X2), dtype=torch.float32, device=device)
         for _ in range(shape.layers)
     ]
     if fill == "pattern":
@@ -206,7 +214,28 @@ def check_pattern(kv: Sequence[Any], src_ids: Any, dst_ids: Any) -> str | None:
 
 
 def bench_layout(kv: Sequence[Any], shape: Shape) -> KVLayout:
-    return build_layout([_info(f"layer{i}", t) for i, t in enumerate(kv)], shape.num_blocks, shape.block_size, block_dim=0)
+    """The layout with its cells (which heads of the model it holds)."""
+    infos = [_info(f"layer{i}", t) for i, t in enumerate(kv)]
+    return dataclasses.replace(build_layout(infos, shape.num_blocks, shape.block_size, block_dim=0), cells=shape.cells())
+
+
+def check_heads(kv: Sequence[Any], src_ids: Any, dst_ids: Any, src: Shape, dst: Shape) -> str | None:
+    """None if every destination block dst_ids[i] holds, for each head both shapes hold, that
+    head's words of source block src_ids[i] (fill_pattern's, on the source's own block size)."""
+    import torch
+
+    lo, hi = max(src.first_head, dst.first_head), min(src.first_head + src.heads, dst.first_head + dst.heads)
+    head_words = src.block_size * HEAD_DIM_X2 * F32 // 8
+    for layer, t in enumerate(kv):
+        w = words(t).view(t.shape[0], dst.heads, head_words)
+        s = torch.as_tensor(np.asarray(src_ids), dtype=torch.int64, device=t.device)
+        d = torch.as_tensor(np.asarray(dst_ids), device=t.device)
+        for h in range(lo, hi):
+            first = s * src.words_per_block + (h - src.first_head) * head_words
+            want = (first[:, None] + torch.arange(head_words, device=t.device)) | (layer << 40)
+            if not torch.equal(w[d, h - dst.first_head], want):
+                return f"VERIFY FAILED: layer {layer} head {h} holds wrong bytes after the transfer"
+    return None
 
 
 # Transports ----------------------------------------------------------------------------------
