@@ -134,10 +134,11 @@ class KVLayout:
 
     def compat_signature(self) -> tuple[int, ...]:
         """What two peers must share (part of the compatibility hash): with cells, the regions and
-        a cell's size (the rest, such as a TP rank's head slice, is planned); without, the shape."""
+        a cell's size (the rest, a TP rank's head slice and the block size, is planned); without,
+        the shape."""
         if self.cells is None:
             return self.shape_signature()
-        return (self.block_size, len(self.regions), self.cells.cell_bytes)
+        return (len(self.regions), self.cells.cell_bytes)
 
 
 def _find_block_dim(info: TensorInfo, num_blocks: int, block_dim: int | None) -> int:

@@ -19,6 +19,7 @@ REMOTE_PORT = "remote_port"
 REMOTE_NUM_TOKENS = "remote_num_tokens"
 TRANSFER_ID = "transfer_id"
 TP_SIZE = "tp_size"
+REMOTE_BLOCK_SIZE = "remote_block_size"  # P's tokens per block (D's may differ: planned token by token)
 
 _REQUIRED = (REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST, REMOTE_PORT)
 _REQUIRED_TRANSFER_ID = (TRANSFER_ID, REMOTE_HOST, REMOTE_PORT)
@@ -43,6 +44,7 @@ class RemotePrefill:
     # P's tensor-parallel size when the params state it (P rank r listens on remote_port + r);
     # None in the transfer-id flow: the handshake with each rank checks it then.
     remote_tp_size: int | None = None
+    remote_block_size: int | None = None  # P's tokens per block, when the params state it
 
     @property
     def peer_key(self) -> tuple[str, str, int]:
@@ -107,6 +109,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         remote_num_tokens=None if num_tokens is None else _int(REMOTE_NUM_TOKENS, num_tokens, 1),
         transfer_id=None if params.get(TRANSFER_ID) is None else _str(TRANSFER_ID, params[TRANSFER_ID]),
         remote_tp_size=_tp_size(params),
+        remote_block_size=None if params.get(REMOTE_BLOCK_SIZE) is None else _int(REMOTE_BLOCK_SIZE, params[REMOTE_BLOCK_SIZE], 1),
     )
 
 
@@ -215,6 +218,7 @@ def producer_params(
     num_tokens: int,
     transfer_id: str | None = None,
     tp_size: int = 1,
+    block_size: int | None = None,
 ) -> dict[str, Any]:
     """What P returns with its answer, for the proxy to copy into D's request.
 
@@ -231,6 +235,8 @@ def producer_params(
         REMOTE_NUM_TOKENS: num_tokens,
         TP_SIZE: tp_size,
     }
+    if block_size is not None:
+        params[REMOTE_BLOCK_SIZE] = block_size
     if transfer_id is not None:
         params[TRANSFER_ID] = transfer_id
     return params

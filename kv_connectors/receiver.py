@@ -12,7 +12,7 @@ from kv_connectors.config import ConnectorConfig, TransferMode
 from kv_connectors.counters import DURATIONS_CAP, Phase
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.layout import KVLayout
-from kv_connectors.plan import plan_blocks
+from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.state import ClaimBatch, ClaimResult, FailReason, RecvKind, RecvPhase, RecvTask, TaskKey
 from kv_connectors.transports.base import Transport, XferState
 
@@ -181,6 +181,14 @@ class Receiver:
         elif peer.layout is None:
             if now > task.deadline:
                 task.fail(FailReason.HANDSHAKE, "handshake with producer timed out")
+        elif peer.layout.block_size != self._layout.block_size and task.local_block_ids and (
+            self._cfg.mode is TransferMode.PUSH or not task.remote_block_ids
+        ):
+            why = (
+                f"the producer's blocks hold {peer.layout.block_size} tokens, ours {self._layout.block_size}: "
+                "different block sizes are served in pull mode with P's block ids only (not push)"
+            )
+            self._fail_transfer(task, FailReason.HANDSHAKE, KVConnectorError(why))  # and tell P to free them
         elif self._cfg.mode is TransferMode.PUSH or not task.local_block_ids or not task.remote_block_ids:
             self._request_push(task)  # P's blocks unknown (transfer-id flow): only P can move them
         else:
@@ -233,7 +241,7 @@ class Receiver:
         assert peer.layout is not None
         started = self._clock()  # engines may copy inside the post call (NIXL over cma does)
         try:
-            plan = plan_blocks(peer.layout, task.remote_block_ids, self._layout, task.local_block_ids)
+            plan = self._plan_read(task, peer.layout)
             task.xfer = self._transport.post_read(peer.agent_name, plan, b"")
         except KVConnectorError as e:
             self._fail_transfer(task, FailReason.TRANSFER, e)
@@ -245,6 +253,20 @@ class Receiver:
         task.deadline = started + self._cfg.transfer_timeout_s
         task.claim_deadline = started + self._cfg.handshake_timeout_s
         self._advance_read(task, self._clock())  # queues the claim
+
+    def _plan_read(self, task: RecvTask, remote: KVLayout) -> TransferPlan:
+        """Blocks paired one to one where both sides' blocks hold as many tokens; else the task's
+        tokens, mapped through both block tables."""
+        if remote.block_size == self._layout.block_size or not task.num_tokens:
+            return plan_blocks(remote, task.remote_block_ids, self._layout, task.local_block_ids)
+        return plan_cells(
+            remote,
+            BlockTable(task.remote_block_ids, task.remote_first_token),
+            self._layout,
+            BlockTable(task.local_block_ids, task.local_first_token),
+            task.first_token,
+            task.num_tokens,
+        )
 
     def _send_claims(self) -> None:
         """One ClaimRequest per producer for every read waiting to claim."""

@@ -26,6 +26,13 @@ class RecvSpec:
     # P's tensor-parallel size when its params state it (None: assume ours; the handshake checks):
     # each D rank reads from the P ranks holding its heads.
     remote_tp_size: int | None = None
+    # Tokens: the load covers the prompt's tokens [first_token, first_token + num_tokens) (0: whole
+    # blocks, paired one to one); local_block_ids[0] and remote_block_ids[0] begin at the tokens
+    # below (they differ where P's block size differs from D's).
+    first_token: int = 0
+    num_tokens: int = 0
+    local_first_token: int = 0
+    remote_first_token: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

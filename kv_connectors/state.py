@@ -295,6 +295,11 @@ class RecvTask:
     remote_rank: int = 0
     remote_tp_size: int = 1
     group: str = ""  # the request id vLLM knows (request_id is then this task's own)
+    # The tokens loaded (specs.RecvSpec): needed where P's block size differs from D's.
+    first_token: int = 0
+    num_tokens: int = 0
+    local_first_token: int = 0
+    remote_first_token: int = 0
 
     @property
     def request(self) -> str:

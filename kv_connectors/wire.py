@@ -30,8 +30,8 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     head_size: int
     vocab_size: int
     dtype: str
-    block_size: int
-    layout: tuple[int, ...]  # KVLayout.shape_signature()
+    block_size: int  # 0 where the layout's cells let the planner map tokens between block sizes
+    layout: tuple[int, ...]  # KVLayout.compat_signature()
     transport: str = ""  # e.g. "nixl" or "mooncake+staging": peers must move data the same way
     wire_version: int = WIRE_VERSION
 

@@ -301,6 +301,10 @@ class WorkerEngine:
                         remote_rank=p_rank,
                         remote_tp_size=p_tp,
                         group=rid if len(sources) > 1 else "",
+                        first_token=spec.first_token,
+                        num_tokens=spec.num_tokens,
+                        local_first_token=spec.local_first_token,
+                        remote_first_token=spec.remote_first_token,
                     )
                 )
         for rid, reason in meta.reqs_failed.items():

@@ -127,6 +127,8 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         facts = compat.model_facts(self._vllm_config)
         layout = build_layout(infos, num_blocks, self._block_size)
         layout = dataclasses.replace(layout, cells=self._cells(infos[0], num_blocks, int(facts["num_kv_heads"])))
+        if layout.cells is not None:
+            facts["block_size"] = 0  # planned token by token: P's and D's may differ
         compat_info = CompatInfo(layout=layout.compat_signature(), **facts)
         first = next(iter(kv_caches.values()))
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST

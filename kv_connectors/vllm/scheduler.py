@@ -120,7 +120,7 @@ class SchedulerSide:
             logger.debug("request %s: %s", request.request_id, params.prefill_error)
             return _Parsed(params.release, params.prefill_error)  # P can still be told to free its blocks
         num_prompt = len(request.prompt_token_ids or ())
-        needed = blocks_for_tokens(num_prompt, self._block_size)
+        needed = blocks_for_tokens(num_prompt, rp.remote_block_size or self._block_size)
         error = None
         if rp.push_only:
             pass  # P's blocks are unknown until P writes them: P checks the count then
@@ -155,7 +155,13 @@ class SchedulerSide:
             self._release(rid, rp)
             return
         local = unhashed_block_ids(blocks)
-        remote = rp.remote_block_ids[len(rp.remote_block_ids) - len(local) :] if rp.remote_block_ids else ()
+        num_prompt = len(request.prompt_token_ids or ())
+        first = num_prompt - num_external_tokens  # tokens D has (prefix-cache hits): not loaded
+        p_bs = rp.remote_block_size or self._block_size
+        if p_bs == self._block_size:
+            remote = rp.remote_block_ids[len(rp.remote_block_ids) - len(local) :] if rp.remote_block_ids else ()
+        else:
+            remote = rp.remote_block_ids[first // p_bs :]
         arrived = getattr(request, "arrival_time", None)  # vLLM's wall-clock arrival (time.time())
         self._meta.reqs_to_recv[rid] = RecvSpec(
             peer_key=rp.peer_key,
@@ -164,6 +170,10 @@ class SchedulerSide:
             remote_block_ids=tuple(remote),
             queued_s=max(0.0, time.time() - arrived) if isinstance(arrived, (int, float)) else 0.0,
             remote_tp_size=rp.remote_tp_size,
+            first_token=first,
+            num_tokens=num_external_tokens,
+            local_first_token=first - first % self._block_size,
+            remote_first_token=first - first % p_bs,
         )
 
     def _release(self, rid: str, rp: RemotePrefill) -> None:
@@ -232,4 +242,5 @@ class SchedulerSide:
             num_tokens=request.num_prompt_tokens,
             transfer_id=transfer_id,
             tp_size=self._tp_size,
+            block_size=self._block_size,
         )

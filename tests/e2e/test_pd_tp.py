@@ -97,22 +97,23 @@ def test_tp2_foreign_kv_changes_decode_output(reference, perturbed_model, tp_dec
 
 
 def test_unservable_tp_combination_fails_within_the_handshake_deadline_and_decode_keeps_serving(
-    reference, prefill_server, tp_decode
+    reference, tp_prefill, decode_server
 ):
-    """The transfer-id flow does not tell D P's TP size, and P's push would have to split its heads
-    over two D ranks: D at TP 2 and P at TP 1 fail the request (no rank of P's at port + 1, and
-    rank 0 answers as 0 of 1) within the handshake deadline; D then serves the next request."""
+    """The transfer-id flow does not tell D P's TP size, and P's ranks would each have to push half
+    of D's heads: D at TP 1 and P at TP 2 fail the request (P's rank 0 answers as 0 of 2) within
+    the handshake deadline; D then serves the next request. Last here: P's ranks hold this
+    prompt's blocks until their lease ends (nothing told them otherwise)."""
     prompt = fresh_prompts(33)[10]
-    p_params, d_params = transfer_id_params(prefill_server)
-    assert generate(prefill_server.url, prompt, 1, kv_transfer_params=p_params).status_code == 200
-    d0 = stats(tp_decode)
+    p_params, d_params = transfer_id_params(tp_prefill)
+    assert generate(tp_prefill.url, prompt, 1, kv_transfer_params=p_params).status_code == 200
+    d0 = stats(decode_server)
     t0 = time.monotonic()
-    r = generate(tp_decode.url, prompt, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
+    r = generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
     assert time.monotonic() - t0 < HANDSHAKE_S + 5
     assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
-    tp_decode.wait_log("expected the prefill's rank 0 of 2", 10)
-    assert stats(tp_decode).recv_failures == d0.recv_failures + 1
+    decode_server.wait_log("expected the prefill's rank 0 of 1", 10)
+    assert stats(decode_server).recv_failures == d0.recv_failures + 1
 
-    params = prefill(prefill_server.url, PROMPTS[3])  # the params flow states P's TP size: served
-    got = output_ids(generate(tp_decode.url, PROMPTS[3], MAX_TOKENS, kv_transfer_params=params))
+    params = prefill(tp_prefill.url, PROMPTS[3])  # the params flow states P's TP size: served
+    got = output_ids(generate(decode_server.url, PROMPTS[3], MAX_TOKENS, kv_transfer_params=params))
     assert got == output_ids(generate(reference.url, PROMPTS[3], MAX_TOKENS))

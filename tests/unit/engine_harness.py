@@ -125,11 +125,15 @@ class Cluster:
         p_tp: int = 1,
         d_tp: int = 1,
         heads: int | None = None,
+        p_block: int = BLOCK_SIZE,
+        d_block: int = BLOCK_SIZE,
     ) -> None:
         """p_tp, d_tp: the TP sizes P's and D's rank 0 (self.p, self.d) run with (add_rank adds the
         others). heads: the model's KV heads; each rank's blocks then hold its slice of them, as
-        cells of CELL_WORDS words (without, blocks are opaque: whole blocks only)."""
+        cells of CELL_WORDS words (without, blocks are opaque: whole blocks only). p_block, d_block:
+        tokens per block (with heads only, where they differ)."""
         self.heads = heads
+        self.block = {"kv_producer": p_block, "kv_consumer": d_block}
         self.clock = FakeClock()
         self.fabric = MemoryFabric(self.clock)
         self.p = self._node(
@@ -159,14 +163,15 @@ class Cluster:
         """One worker engine; a TP rank r > 0 listens on port + r (its config names the base port)."""
         cfg = parse_config(engine_id, role, {"side_channel_port": port, **extra})
         first, heads = (0, 1) if self.heads is None else rank_heads(self.heads, tp_size, rank)
-        words = BLOCK_WORDS if self.heads is None else heads * BLOCK_SIZE * CELL_WORDS
+        block_size = self.block[role]
+        words = BLOCK_WORDS if self.heads is None else heads * block_size * CELL_WORDS
         kv = np.zeros((2, NUM_BLOCKS, words), dtype=np.float32)
         # Block b of a node holds fill * (b + 1) everywhere: a copy is recognisable by its value.
         kv[:] = fill * (np.arange(NUM_BLOCKS, dtype=np.float32)[None, :, None] + 1)
-        layout = host_layout(kv, NUM_BLOCKS, BLOCK_SIZE)
+        layout = host_layout(kv, NUM_BLOCKS, block_size)
         if self.heads is not None:  # (regions, blocks, heads, tokens, cell)
             cell = CELL_WORDS * 4
-            cells = Cells(heads, BLOCK_SIZE * cell, BLOCK_SIZE, cell, cell, first)
+            cells = Cells(heads, block_size * cell, block_size, cell, cell, first)
             layout = dataclasses.replace(layout, cells=cells)
         made: list[MemoryTransport] = []
 

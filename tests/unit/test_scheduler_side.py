@@ -130,3 +130,23 @@ def test_the_prefills_tp_size_travels_from_p_to_d_workers():
     r.kv_transfer_params = {"do_remote_decode": True}
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert p.request_finished(r, [3, 4])[1]["tp_size"] == 2
+
+
+def test_a_prefill_with_another_block_size_loads_the_tokens_d_lacks():
+    """P's params state its block size (16 tokens) and D's blocks hold 32: P's block count is
+    checked against P's size, and a D prefix hit of 32 tokens skips P's first two blocks."""
+    side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock())
+    a = _request("a", "ka", n_tokens=64)
+    a.kv_transfer_params |= {"remote_block_ids": [11, 12, 13, 14], "remote_block_size": 16}
+    assert side.get_num_new_matched_tokens(a, 32) == (32, True)
+    blocks = SimpleNamespace(blocks=[[SimpleNamespace(block_id=1, block_hash=b"h"), SimpleNamespace(block_id=9, block_hash=None)]])
+    side.update_state_after_alloc(a, blocks, 32)
+    spec = side.build_connector_meta(OUTPUT).reqs_to_recv["a"]
+    assert spec.local_block_ids == (9,) and spec.remote_block_ids == (13, 14)
+    assert (spec.first_token, spec.num_tokens, spec.local_first_token, spec.remote_first_token) == (32, 32, 32, 32)
+
+    b = _request("b", "kb", n_tokens=64)
+    b.kv_transfer_params |= {"remote_block_ids": [11, 12, 13], "remote_block_size": 16}  # 64 tokens fill 4
+    side.get_num_new_matched_tokens(b, 0)
+    side.update_state_after_alloc(b, _blocks([5, 6]), 64)
+    assert "remote_block_ids has 3 blocks, the prompt fills 4" in side.build_connector_meta(OUTPUT).reqs_failed["b"]
