@@ -40,11 +40,12 @@ class Region:
 
 @dataclasses.dataclass(frozen=True)
 class Cells:
-    """How every region's per-block segment is cut into cells: one token of one KV head,
-    `cell_bytes` contiguous bytes (K and V fused, K or V alone, or an MLA latent) at
-    `head * head_stride + token * token_stride` from the segment's start. The same strides describe
-    every layout (CPU `(blocks, heads, block_size, 2*head_size)`, CUDA NHD and HND, MLA's single
-    latent), so the planner maps tokens and heads between any two without special cases.
+    """How every region's per-block segment is cut into cells: one token of one KV head (of one
+    part: K or V where a region holds both), `cell_bytes` contiguous bytes at
+    `head * head_stride + part * part_stride + token * token_stride` from the segment's start. The
+    same strides describe every layout (vLLM's CPU `(blocks, heads, block_size, 2*head_size)`, which
+    is K of every token of a head, then V; CUDA NHD and HND, K and V in regions of their own; MLA's
+    single latent), so the planner maps tokens and heads between any two without special cases.
 
     A rank holds heads [first_head, first_head + heads) of the model's KV heads (tensor
     parallelism); MLA's latent is one head, replicated on every rank."""
@@ -55,11 +56,14 @@ class Cells:
     token_stride: int  # bytes
     cell_bytes: int
     first_head: int = 0
+    parts: int = 1  # K and V in one region: 2
+    part_stride: int = 0  # bytes
 
     @property
     def extent(self) -> int:
         """Bytes from a segment's start to the end of its last cell."""
-        return (self.heads - 1) * self.head_stride + (self.tokens - 1) * self.token_stride + self.cell_bytes
+        last = (self.heads - 1) * self.head_stride + (self.parts - 1) * self.part_stride
+        return last + (self.tokens - 1) * self.token_stride + self.cell_bytes
 
     def with_first_head(self, first_head: int) -> Cells:
         return dataclasses.replace(self, first_head=first_head)
@@ -138,7 +142,7 @@ class KVLayout:
         the shape."""
         if self.cells is None:
             return self.shape_signature()
-        return (len(self.regions), self.cells.cell_bytes)
+        return (len(self.regions), self.cells.parts, self.cells.cell_bytes)
 
 
 def _find_block_dim(info: TensorInfo, num_blocks: int, block_dim: int | None) -> int:
@@ -266,4 +270,25 @@ def cells_of_tensor(info: TensorInfo, num_blocks: int, block_size: int, heads: i
         tokens=block_size,
         token_stride=info.stride[tdim] * esz,
         cell_bytes=expected * esz,
+    )
+
+
+def cells_of_cpu_tensor(info: TensorInfo, num_blocks: int, block_size: int, heads: int, head_size: int) -> Cells:
+    """vLLM's CPU attention cache `(num_blocks, heads, block_size, 2 * head_size)`, which its kernels
+    view as `(num_blocks, heads, 2 * block_size, head_size)` and split in halves: K of every token
+    of a head, then V (vllm/v1/attention/backends/cpu_attn.py). Its shape alone does not tell (it
+    reads like K and V fused per token), so the adapter names it."""
+    shape = (num_blocks, heads, block_size, 2 * head_size)
+    contiguous = (heads * block_size * 2 * head_size, block_size * 2 * head_size, 2 * head_size, 1)
+    if info.shape != shape or info.stride[1:] != contiguous[1:] or info.stride[0] < contiguous[0]:
+        raise ConfigError(f"KV tensor {info.name} shape {info.shape} stride {info.stride} is not vLLM's CPU layout {shape}")
+    esz = info.element_size
+    return Cells(
+        heads=heads,
+        head_stride=contiguous[1] * esz,
+        tokens=block_size,
+        token_stride=head_size * esz,
+        cell_bytes=head_size * esz,
+        parts=2,
+        part_stride=block_size * head_size * esz,
     )

@@ -121,8 +121,11 @@ def check_cells_compatible(src: KVLayout, dst: KVLayout) -> tuple[int, int]:
     sc, dc = _cells_of(src, "source"), _cells_of(dst, "destination")
     if len(src.regions) != len(dst.regions):
         raise ConfigError(f"KV layouts have {len(src.regions)} and {len(dst.regions)} regions (layers x K/V)")
-    if sc.cell_bytes != dc.cell_bytes:
-        raise ConfigError(f"a token of one head is {sc.cell_bytes} bytes on the source and {dc.cell_bytes} on the destination")
+    if (sc.cell_bytes, sc.parts) != (dc.cell_bytes, dc.parts):
+        raise ConfigError(
+            f"a token of one head is {sc.parts} x {sc.cell_bytes} bytes on the source and {dc.parts} x {dc.cell_bytes} "
+            "on the destination"
+        )
     lo, hi = max(sc.first_head, dc.first_head), min(sc.first_head + sc.heads, dc.first_head + dc.heads)
     if hi <= lo:
         raise ConfigError(
@@ -187,10 +190,11 @@ def plan_cells(src: KVLayout, src_table: BlockTable, dst: KVLayout, dst_table: B
     s_blk, d_blk = s_ids[s_rel // src.block_size], d_ids[d_rel // dst.block_size]
     s_off = (s_rel % src.block_size) * sc.token_stride
     d_off = (d_rel % dst.block_size) * dc.token_stride
-    heads = np.arange(h0, h0 + nh, dtype=np.int64)[:, None]  # (heads, 1) x (segments,)
-    s_head = (heads - sc.first_head) * sc.head_stride
-    d_head = (heads - dc.first_head) * dc.head_stride
-    run = np.broadcast_to(lens * sc.cell_bytes, (nh, lens.size)).ravel()
+    heads = np.repeat(np.arange(h0, h0 + nh, dtype=np.int64), sc.parts)[:, None]  # (heads x parts, 1) x (segments,)
+    parts = np.tile(np.arange(sc.parts, dtype=np.int64), nh)[:, None]
+    s_head = (heads - sc.first_head) * sc.head_stride + parts * sc.part_stride
+    d_head = (heads - dc.first_head) * dc.head_stride + parts * dc.part_stride
+    run = np.broadcast_to(lens * sc.cell_bytes, (nh * sc.parts, lens.size)).ravel()
     srcs, dsts = [], []
     for rs, rd in zip(src.regions, dst.regions):
         srcs.append((rs.base + s_blk * rs.block_stride + s_off + s_head).ravel())

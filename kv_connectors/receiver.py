@@ -181,8 +181,10 @@ class Receiver:
         elif peer.layout is None:
             if now > task.deadline:
                 task.fail(FailReason.HANDSHAKE, "handshake with producer timed out")
-        elif peer.layout.block_size != self._layout.block_size and task.local_block_ids and (
-            self._cfg.mode is TransferMode.PUSH or not task.remote_block_ids
+        elif (
+            peer.layout.block_size != self._layout.block_size
+            and task.local_block_ids
+            and (self._cfg.mode is TransferMode.PUSH or not task.remote_block_ids)
         ):
             why = (
                 f"the producer's blocks hold {peer.layout.block_size} tokens, ours {self._layout.block_size}: "

@@ -69,6 +69,8 @@ class CellsMsg(msgspec.Struct, frozen=True, array_like=True):
     token_stride: int
     cell_bytes: int
     first_head: int
+    parts: int = 1
+    part_stride: int = 0
 
 
 class LayoutMsg(msgspec.Struct, frozen=True):
@@ -84,7 +86,9 @@ class LayoutMsg(msgspec.Struct, frozen=True):
             layout.num_blocks,
             layout.block_size,
             [RegionMsg(r.base, r.block_stride, r.seg_len) for r in layout.regions],
-            None if c is None else CellsMsg(c.heads, c.head_stride, c.tokens, c.token_stride, c.cell_bytes, c.first_head),
+            None
+            if c is None
+            else CellsMsg(c.heads, c.head_stride, c.tokens, c.token_stride, c.cell_bytes, c.first_head, c.parts, c.part_stride),
         )
 
     def _cells(self) -> Cells | None:
@@ -97,6 +101,8 @@ class LayoutMsg(msgspec.Struct, frozen=True):
             or c.first_head < 0
             or c.first_head + c.heads > _MAX_HEADS
             or c.head_stride < 0
+            or not 1 <= c.parts <= 2
+            or c.part_stride < 0
             or c.token_stride < 1
             or c.cell_bytes < 1
             or c.tokens != self.block_size

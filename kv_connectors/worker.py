@@ -148,10 +148,11 @@ class WorkerEngine:
         self._renewer = Renewer(self._cfg.engine_id, self._hash, self._client, self._cfg.handshake_timeout_s, self._clock)
         self._server = server  # last: the handler answers only once everything above exists
         logger.info(
-            "KV cache registered: %d blocks x %d bytes in %d regions, compat hash %s",
+            "KV cache registered: %d blocks x %d bytes in %d regions, %s, compat hash %s",
             layout.num_blocks,
             layout.block_bytes,
             len(layout.regions),
+            layout.cells or "whole blocks only",
             self._hash,
         )
 

@@ -145,9 +145,10 @@ class Shape:
         return self.size_mib * 1024 // (self.block_kib * self.layers)
 
     def cells(self) -> Cells:
-        """One token of one head: HEAD_DIM_X2 floats; heads outside tokens (vLLM's CPU layout)."""
-        cell = HEAD_DIM_X2 * F32
-        return Cells(self.heads, self.block_size * cell, self.block_size, cell, cell, self.first_head)
+        """vLLM's CPU layout: per head, K of every token, then V (HEAD_DIM_X2 / 2 floats each)."""
+        cell = HEAD_DIM_X2 // 2 * F32
+        bs = self.block_size
+        return Cells(self.heads, 2 * bs * cell, bs, cell, cell, self.first_head, parts=2, part_stride=bs * cell)
 
     @property
     def words_per_block(self) -> int:  # 64-bit words in one block segment

@@ -13,7 +13,15 @@ import torch
 from kv_connectors import config
 from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
-from kv_connectors.layout import Cells, TensorInfo, build_layout, cells_of_tensor, layer_regions, rank_heads
+from kv_connectors.layout import (
+    Cells,
+    TensorInfo,
+    build_layout,
+    cells_of_cpu_tensor,
+    cells_of_tensor,
+    layer_regions,
+    rank_heads,
+)
 from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.transports import create_transport
 from kv_connectors.transports.base import MemoryKind, Transport
@@ -126,20 +134,24 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         num_blocks = int(self._kv_cache_config.num_blocks)
         facts = compat.model_facts(self._vllm_config)
         layout = build_layout(infos, num_blocks, self._block_size)
-        layout = dataclasses.replace(layout, cells=self._cells(infos[0], num_blocks, int(facts["num_kv_heads"])))
+        first = next(iter(kv_caches.values()))
+        on_cpu = first.device.type == "cpu"
+        layout = dataclasses.replace(layout, cells=self._cells(infos[0], num_blocks, int(facts["num_kv_heads"]), on_cpu))
         if layout.cells is not None:
             facts["block_size"] = 0  # planned token by token: P's and D's may differ
         compat_info = CompatInfo(layout=layout.compat_signature(), **facts)
-        first = next(iter(kv_caches.values()))
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
         self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))
 
-    def _cells(self, info: TensorInfo, num_blocks: int, total_heads: int) -> Cells | None:
+    def _cells(self, info: TensorInfo, num_blocks: int, total_heads: int, on_cpu: bool) -> Cells | None:
         """This rank's tokens and heads inside a block (for the planner), or None where the tensor
         does not tell them apart: then only whole blocks are planned."""
         tp = int(getattr(self._vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         try:
             first, heads = rank_heads(total_heads, tp, self.worker_side.rank)
+            if on_cpu:  # K of every token, then V, in one tensor: its shape does not say so
+                head_size = int(self._vllm_config.model_config.get_head_size())
+                return cells_of_cpu_tensor(info, num_blocks, self._block_size, heads, head_size).with_first_head(first)
             return cells_of_tensor(info, num_blocks, self._block_size, heads).with_first_head(first)
         except ConfigError as e:
             logger.info("KV blocks planned whole only: %s", e)

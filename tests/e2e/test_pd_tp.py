@@ -90,8 +90,9 @@ def test_tp2_transfer_id_flow_with_layerwise_push(reference, tp_prefill, tp_deco
     assert stats(tp_prefill, rank=1).layerwise_pushes >= len(prompts), "P rank 1 did not push layer-wise"
 
 
-def test_tp2_foreign_kv_changes_decode_output(reference, perturbed_model, tp_decode):
-    server = pd_server(perturbed_model, "kv_producer", name="P-tp2-perturbed", max_model_len=MAX_MODEL_LEN, tp=TP)
+def test_foreign_kv_from_a_tp1_prefill_changes_tp2_decode_output(reference, perturbed_model, tp_decode):
+    """P at TP 1 with perturbed K/V weights: both D ranks' heads come from P (heterogeneous TP)."""
+    server = pd_server(perturbed_model, "kv_producer", name="P-tp1-perturbed", max_model_len=MAX_MODEL_LEN)
     with server:
         assert_foreign_kv_changes_output(reference, server, tp_decode)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kv_connectors.errors import ConfigError, TransferParamsError
-from kv_connectors.layout import Cells, TensorInfo, build_layout, cells_of_tensor, rank_heads
+from kv_connectors.layout import Cells, TensorInfo, build_layout, cells_of_cpu_tensor, cells_of_tensor, rank_heads
 from kv_connectors.plan import BlockTable, plan_cells
 
 LAYERS = 2
@@ -24,7 +24,9 @@ HEAD_SIZE = 3  # float32 values per head and token, per K or V
 class Side:
     """One rank's KV cache in a given layout, with logical accessors (token slot, local head)."""
 
-    kind: str  # cpu (blocks, heads, bs, 2*hs) | nhd (2, blocks, bs, heads, hs) | hnd (2, blocks, heads, bs, hs) | mla
+    # cpu: vLLM's (blocks, heads, bs, 2*hs): per head K of every token, then V | fused: the same shape,
+    # K and V of a token side by side | nhd (2, blocks, bs, heads, hs) | hnd (2, blocks, heads, bs, hs) | mla
+    kind: str
     num_blocks: int
     block_size: int
     first_head: int
@@ -35,6 +37,7 @@ class Side:
     def make(cls, kind: str, num_blocks: int, block_size: int, first_head: int, heads: int, fill: float) -> Side:
         shape = {
             "cpu": (num_blocks, heads, block_size, 2 * HEAD_SIZE),
+            "fused": (num_blocks, heads, block_size, 2 * HEAD_SIZE),
             "nhd": (2, num_blocks, block_size, heads, HEAD_SIZE),
             "hnd": (2, num_blocks, heads, block_size, HEAD_SIZE),
             "mla": (num_blocks, block_size, 2 * HEAD_SIZE),
@@ -48,15 +51,21 @@ class Side:
             for i, t in enumerate(self.tensors)
         ]
         layout = build_layout(infos, self.num_blocks, self.block_size, block_dim=1 if self.kind in ("nhd", "hnd") else 0)
-        cells = cells_of_tensor(
-            infos[0], self.num_blocks, self.block_size, self.heads, block_dim=1 if self.kind in ("nhd", "hnd") else 0
-        )
+        if self.kind == "cpu":
+            cells = cells_of_cpu_tensor(infos[0], self.num_blocks, self.block_size, self.heads, HEAD_SIZE)
+        else:
+            cells = cells_of_tensor(
+                infos[0], self.num_blocks, self.block_size, self.heads, block_dim=1 if self.kind in ("nhd", "hnd") else 0
+            )
         return dataclasses.replace(layout, cells=cells.with_first_head(self.first_head))
 
     def cell(self, layer: int, block: int, slot: int, head: int) -> np.ndarray:
         """A view of one token's K and V values of one (global) head, as (2, HEAD_SIZE)."""
         t, h = self.tensors[layer], head - self.first_head
         if self.kind == "cpu":
+            kv = t[block, h].reshape(2, self.block_size, HEAD_SIZE)
+            return kv[:, slot]
+        if self.kind == "fused":
             return t[block, h, slot].reshape(2, HEAD_SIZE)
         if self.kind == "mla":
             return t[block, slot].reshape(2, HEAD_SIZE)
@@ -67,6 +76,8 @@ class Side:
     def set_cell(self, layer: int, block: int, slot: int, head: int, value: np.ndarray) -> None:
         t, h = self.tensors[layer], head - self.first_head
         if self.kind == "cpu":
+            t[block, h].reshape(2, self.block_size, HEAD_SIZE)[:, slot] = value
+        elif self.kind == "fused":
             t[block, h, slot] = value.reshape(-1)
         elif self.kind == "mla":
             t[block, slot] = value.reshape(-1)
@@ -89,7 +100,9 @@ def _apply(plan, src: Side, dst: Side) -> None:
 
 
 def _random_case(rng: random.Random):
-    kinds = rng.choice([("cpu", "cpu"), ("nhd", "nhd"), ("hnd", "hnd"), ("nhd", "hnd"), ("hnd", "nhd"), ("mla", "mla")])
+    kinds = rng.choice(
+        [("cpu", "cpu"), ("fused", "fused"), ("nhd", "nhd"), ("hnd", "hnd"), ("nhd", "hnd"), ("hnd", "nhd"), ("mla", "mla")]
+    )
     total = 1 if kinds[0] == "mla" else rng.choice([1, 2, 4, 8])
     sk, dk = kinds
     tp_s, tp_d = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4, 8])
@@ -155,12 +168,16 @@ def test_block_size_32_to_64_is_two_runs_per_destination_block_and_head():
     src = Side.make("cpu", 16, 32, 0, 2, 0.0)
     dst = Side.make("cpu", 16, 64, 0, 2, 0.0)
     plan = plan_cells(src.layout(), BlockTable([1, 5, 9, 3]), dst.layout(), BlockTable([2, 6]), 0, 128)
-    assert plan.num_runs == 2 * 2 * 2 * LAYERS  # D blocks x P blocks per D block x heads x layers
+    assert plan.num_runs == 2 * 2 * 2 * 2 * LAYERS  # D blocks x P blocks per D block x heads x (K, V) x layers
 
 
 def test_cells_of_vllm_layouts():
-    cpu = np.zeros((10, 2, 16, 8), np.float32)  # vLLM CPU: (blocks, heads, block_size, 2 * head_size)
-    c = cells_of_tensor(TensorInfo("l", 0, cpu.shape, (256, 128, 8, 1), 4), 10, 16, 2)
+    cpu = (10, 2, 16, 8)  # vLLM CPU: (blocks, heads, block_size, 2 * head_size), K then V per head
+    c = cells_of_cpu_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2, 4)
+    assert c == Cells(heads=2, head_stride=512, tokens=16, token_stride=16, cell_bytes=16, parts=2, part_stride=256)
+    with pytest.raises(ConfigError, match="not vLLM's CPU layout"):
+        cells_of_cpu_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2, 8)
+    c = cells_of_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2)  # read as K and V side by side
     assert c == Cells(heads=2, head_stride=512, tokens=16, token_stride=32, cell_bytes=32)
     nhd = (2, 10, 16, 4, 8)  # CUDA NHD: tokens outside heads
     c = cells_of_tensor(TensorInfo("l", 0, nhd, (5120, 512, 32, 8, 1), 2), 10, 16, 4, block_dim=1)
@@ -187,8 +204,8 @@ def test_refusals_name_both_sides():
     with pytest.raises(ConfigError, match="KV layouts have 2 and 4 regions"):
         plan_cells(a.layout(), BlockTable([1]), Side.make("nhd", 16, 8, 0, 1, 0.0).layout(), BlockTable([2]), 0, 8)
     other = a.layout()
-    other = dataclasses.replace(other, cells=dataclasses.replace(other.cells, cell_bytes=12))
-    with pytest.raises(ConfigError, match="a token of one head is 24 bytes on the source and 12 on the destination"):
+    other = dataclasses.replace(other, cells=dataclasses.replace(other.cells, cell_bytes=6))
+    with pytest.raises(ConfigError, match="a token of one head is 2 x 12 bytes on the source and 2 x 6 on the destination"):
         plan_cells(a.layout(), BlockTable([1]), other, BlockTable([2]), 0, 8)
     with pytest.raises(TransferParamsError, match="the transfer needs 0..15"):
         plan_cells(a.layout(), BlockTable([1]), a.layout(), BlockTable([2, 3]), 0, 16)
