@@ -39,34 +39,56 @@ class Region:
 
 
 @dataclasses.dataclass(frozen=True)
+class Part:
+    """One part of a KV head's data inside a block (K, V, or both side by side): `rows` rows
+    `row_stride` bytes apart from `offset`, each holding every token's `cell_bytes` at
+    `token_stride`. K stored transposed (vLLM's CPU kernels: one row per element of the head) is
+    head_size rows of one element per token; a token-major K or V is one row of head_size elements."""
+
+    offset: int
+    rows: int
+    row_stride: int
+    token_stride: int
+    cell_bytes: int
+
+    def extent(self, tokens: int) -> int:
+        return self.offset + (self.rows - 1) * self.row_stride + (tokens - 1) * self.token_stride + self.cell_bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class Cells:
-    """How every region's per-block segment is cut into cells: one token of one KV head (of one
-    part: K or V where a region holds both), `cell_bytes` contiguous bytes at
-    `head * head_stride + part * part_stride + token * token_stride` from the segment's start. The
-    same strides describe every layout (vLLM's CPU `(blocks, heads, block_size, 2*head_size)`, which
-    is K of every token of a head, then V; CUDA NHD and HND, K and V in regions of their own; MLA's
-    single latent), so the planner maps tokens and heads between any two without special cases.
+    """What a block holds, token by token: every region's per-block segment has `heads` KV heads
+    `head_stride` bytes apart, each made of `parts` (Part). The same description covers every
+    layout (vLLM's CPU cache, CUDA NHD and HND with K and V in regions of their own, MLA's single
+    latent), so the planner maps tokens and heads between any two without special cases.
 
     A rank holds heads [first_head, first_head + heads) of the model's KV heads (tensor
-    parallelism); MLA's latent is one head, replicated on every rank."""
+    parallelism); MLA's latent is one head, replicated on every rank. token_addressable=False: only
+    whole blocks of a head can be moved (the inside of a head's segment is not known)."""
 
     heads: int
     head_stride: int  # bytes; 0 when heads == 1 (no head dimension)
     tokens: int  # tokens per block
-    token_stride: int  # bytes
-    cell_bytes: int
+    parts: tuple[Part, ...]
     first_head: int = 0
-    parts: int = 1  # K and V in one region: 2
-    part_stride: int = 0  # bytes
+    token_addressable: bool = True
 
     @property
     def extent(self) -> int:
         """Bytes from a segment's start to the end of its last cell."""
-        last = (self.heads - 1) * self.head_stride + (self.parts - 1) * self.part_stride
-        return last + (self.tokens - 1) * self.token_stride + self.cell_bytes
+        return (self.heads - 1) * self.head_stride + max(p.extent(self.tokens) for p in self.parts)
+
+    def signature(self) -> tuple[int, ...]:
+        """What two peers' cells must share to map tokens: each part's rows and cell size."""
+        return tuple(x for p in self.parts for x in (p.rows, p.cell_bytes))
 
     def with_first_head(self, first_head: int) -> Cells:
         return dataclasses.replace(self, first_head=first_head)
+
+
+def token_major(heads: int, head_stride: int, tokens: int, token_stride: int, cell_bytes: int, first_head: int = 0) -> Cells:
+    """Cells with one part: each token's cell_bytes contiguous at token * token_stride."""
+    return Cells(heads, head_stride, tokens, (Part(0, 1, 0, token_stride, cell_bytes),), first_head)
 
 
 def rank_heads(total_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -142,7 +164,7 @@ class KVLayout:
         the shape."""
         if self.cells is None:
             return self.shape_signature()
-        return (len(self.regions), self.cells.parts, self.cells.cell_bytes)
+        return (len(self.regions), *self.cells.signature())
 
 
 def _find_block_dim(info: TensorInfo, num_blocks: int, block_dim: int | None) -> int:
@@ -264,31 +286,26 @@ def cells_of_tensor(info: TensorInfo, num_blocks: int, block_size: int, heads: i
             raise ConfigError(f"KV tensor {info.name} shape {info.shape} stride {info.stride}: a token's values are not contiguous")
         expected *= info.shape[d]
     esz = info.element_size
-    return Cells(
-        heads=heads,
-        head_stride=info.stride[hdim] * esz if hdim is not None else 0,
-        tokens=block_size,
-        token_stride=info.stride[tdim] * esz,
-        cell_bytes=expected * esz,
-    )
+    head_stride = info.stride[hdim] * esz if hdim is not None else 0
+    return token_major(heads, head_stride, block_size, info.stride[tdim] * esz, expected * esz)
 
 
-def cells_of_cpu_tensor(info: TensorInfo, num_blocks: int, block_size: int, heads: int, head_size: int) -> Cells:
+def cells_of_cpu_tensor(info: TensorInfo, num_blocks: int, block_size: int, heads: int, head_size: int, isa: str | None) -> Cells:
     """vLLM's CPU attention cache `(num_blocks, heads, block_size, 2 * head_size)`, which its kernels
-    view as `(num_blocks, heads, 2 * block_size, head_size)` and split in halves: K of every token
-    of a head, then V (vllm/v1/attention/backends/cpu_attn.py). Its shape alone does not tell (it
-    reads like K and V fused per token), so the adapter names it."""
+    view as `(num_blocks, heads, 2 * block_size, head_size)` and split in halves (K, then V; see
+    vllm/v1/attention/backends/cpu_attn.py). Its "vec" kernels store K transposed (element d of
+    every token in row d: d * block_size + token) and V token by token (measured with
+    cpu_attn_reshape_and_cache). The shape alone tells none of this, so the adapter names the
+    layout and the kernel ISA; other ISAs are known only down to a head's whole segment."""
     shape = (num_blocks, heads, block_size, 2 * head_size)
     contiguous = (heads * block_size * 2 * head_size, block_size * 2 * head_size, 2 * head_size, 1)
     if info.shape != shape or info.stride[1:] != contiguous[1:] or info.stride[0] < contiguous[0]:
         raise ConfigError(f"KV tensor {info.name} shape {info.shape} stride {info.stride} is not vLLM's CPU layout {shape}")
     esz = info.element_size
-    return Cells(
-        heads=heads,
-        head_stride=contiguous[1] * esz,
-        tokens=block_size,
-        token_stride=head_size * esz,
-        cell_bytes=head_size * esz,
-        parts=2,
-        part_stride=block_size * head_size * esz,
-    )
+    head_stride = contiguous[1] * esz
+    if isa != "vec":
+        half = head_stride // block_size
+        return Cells(heads, head_stride, block_size, (Part(0, 1, 0, half, half),), token_addressable=False)
+    k = Part(0, head_size, block_size * esz, esz, esz)
+    v = Part(block_size * head_size * esz, 1, 0, head_size * esz, head_size * esz)
+    return Cells(heads, head_stride, block_size, (k, v))

@@ -117,14 +117,13 @@ def _cells_of(layout: KVLayout, side: str) -> Cells:
 
 def check_cells_compatible(src: KVLayout, dst: KVLayout) -> tuple[int, int]:
     """The heads both sides hold, as (first, count); a ConfigError naming both sides' values where
-    tokens cannot be mapped (another number of regions, another cell size, no common head)."""
+    tokens cannot be mapped (another number of regions, other parts, no common head)."""
     sc, dc = _cells_of(src, "source"), _cells_of(dst, "destination")
     if len(src.regions) != len(dst.regions):
         raise ConfigError(f"KV layouts have {len(src.regions)} and {len(dst.regions)} regions (layers x K/V)")
-    if (sc.cell_bytes, sc.parts) != (dc.cell_bytes, dc.parts):
+    if sc.signature() != dc.signature():
         raise ConfigError(
-            f"a token of one head is {sc.parts} x {sc.cell_bytes} bytes on the source and {dc.parts} x {dc.cell_bytes} "
-            "on the destination"
+            f"a token of one head is (rows, bytes) {sc.signature()} on the source and {dc.signature()} on the destination"
         )
     lo, hi = max(sc.first_head, dc.first_head), min(sc.first_head + sc.heads, dc.first_head + dc.heads)
     if hi <= lo:
@@ -133,6 +132,10 @@ def check_cells_compatible(src: KVLayout, dst: KVLayout) -> tuple[int, int]:
             f"the destination {dc.first_head}..{dc.first_head + dc.heads - 1}"
         )
     return lo, hi - lo
+
+
+def _whole_blocks(table: BlockTable, bs: int, first: int, count: int, n_ids: int) -> bool:
+    return first == table.first_token and count == n_ids * bs
 
 
 def _segments(
@@ -175,8 +178,8 @@ def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.n
 def plan_cells(src: KVLayout, src_table: BlockTable, dst: KVLayout, dst_table: BlockTable, first: int, count: int) -> TransferPlan:
     """Tokens [first, first + count) of the heads both sides hold, from src's blocks to dst's:
     the fewest coalesced byte runs between any two layouts (block sizes, head slices of another
-    tensor-parallel split, NHD against HND). Each (token run, head, region) is a cell run, merged
-    wherever both sides are contiguous."""
+    tensor-parallel split, NHD against HND, transposed K). Each (token run inside a block on both
+    sides, head, part, row, region) is one run; runs are merged wherever both sides continue."""
     h0, nh = check_cells_compatible(src, dst)
     sc, dc = _cells_of(src, "source"), _cells_of(dst, "destination")
     s_ids = _table_ids(src_table, src, first, count, "source")
@@ -184,24 +187,34 @@ def plan_cells(src: KVLayout, src_table: BlockTable, dst: KVLayout, dst_table: B
     empty = np.zeros(0, dtype=np.int64)
     if count <= 0:
         return TransferPlan(empty, empty, empty, 0)
-    whole = sc.token_stride == sc.cell_bytes and dc.token_stride == dc.cell_bytes
-    starts, lens = _segments(first, count, src_table, src.block_size, dst_table, dst.block_size, whole)
-    s_rel, d_rel = starts - src_table.first_token, starts - dst_table.first_token
-    s_blk, d_blk = s_ids[s_rel // src.block_size], d_ids[d_rel // dst.block_size]
-    s_off = (s_rel % src.block_size) * sc.token_stride
-    d_off = (d_rel % dst.block_size) * dc.token_stride
-    heads = np.repeat(np.arange(h0, h0 + nh, dtype=np.int64), sc.parts)[:, None]  # (heads x parts, 1) x (segments,)
-    parts = np.tile(np.arange(sc.parts, dtype=np.int64), nh)[:, None]
-    s_head = (heads - sc.first_head) * sc.head_stride + parts * sc.part_stride
-    d_head = (heads - dc.first_head) * dc.head_stride + parts * dc.part_stride
-    run = np.broadcast_to(lens * sc.cell_bytes, (nh * sc.parts, lens.size)).ravel()
-    srcs, dsts = [], []
-    for rs, rd in zip(src.regions, dst.regions):
-        srcs.append((rs.base + s_blk * rs.block_stride + s_off + s_head).ravel())
-        dsts.append((rd.base + d_blk * rd.block_stride + d_off + d_head).ravel())
-    s_all, d_all, l_all = coalesce(np.concatenate(srcs), np.concatenate(dsts), np.tile(run, len(srcs)))
-    blocks = int(np.unique(d_blk).size)
-    return TransferPlan(s_all, d_all, l_all.astype(np.int64), blocks)
+    if not (sc.token_addressable and dc.token_addressable) and not (
+        src.block_size == dst.block_size
+        and _whole_blocks(src_table, src.block_size, first, count, s_ids.size)
+        and _whole_blocks(dst_table, dst.block_size, first, count, d_ids.size)
+    ):
+        raise ConfigError("a KV layout here is known only down to a head's whole block: tokens cannot be mapped")
+    heads = np.arange(h0, h0 + nh, dtype=np.int64)
+    srcs, dsts, lens = [], [], []
+    for sp, dp in zip(sc.parts, dc.parts):
+        whole = sp.token_stride == sp.cell_bytes and dp.token_stride == dp.cell_bytes
+        starts, seg = _segments(first, count, src_table, src.block_size, dst_table, dst.block_size, whole)
+        s_rel, d_rel = starts - src_table.first_token, starts - dst_table.first_token
+        s_blk, d_blk = s_ids[s_rel // src.block_size], d_ids[d_rel // dst.block_size]
+        s_off = (s_rel % src.block_size) * sp.token_stride
+        d_off = (d_rel % dst.block_size) * dp.token_stride
+        rows = np.arange(sp.rows, dtype=np.int64)
+        # (heads x rows, 1) against (segments,)
+        s_hr = ((heads - sc.first_head) * sc.head_stride)[:, None] + sp.offset + rows[None, :] * sp.row_stride
+        d_hr = ((heads - dc.first_head) * dc.head_stride)[:, None] + dp.offset + rows[None, :] * dp.row_stride
+        s_hr, d_hr = s_hr.reshape(-1, 1), d_hr.reshape(-1, 1)
+        run = np.broadcast_to(seg * sp.cell_bytes, (s_hr.shape[0], seg.size)).ravel()
+        for rs, rd in zip(src.regions, dst.regions):
+            srcs.append((rs.base + s_blk * rs.block_stride + s_off + s_hr).ravel())
+            dsts.append((rd.base + d_blk * rd.block_stride + d_off + d_hr).ravel())
+            lens.append(run)
+    s_all, d_all, l_all = coalesce(np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens))
+    blocks = -(-(first + count - dst_table.first_token) // dst.block_size) - (first - dst_table.first_token) // dst.block_size
+    return TransferPlan(s_all, d_all, l_all.astype(np.int64), int(blocks))
 
 
 def plan_blocks(src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids: Sequence[int]) -> TransferPlan:

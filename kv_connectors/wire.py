@@ -10,7 +10,7 @@ import msgspec
 
 from kv_connectors.counters import Counters
 from kv_connectors.errors import HandshakeError, IncompatiblePeerError, UnauthenticatedPeerError
-from kv_connectors.layout import Cells, KVLayout, Region
+from kv_connectors.layout import Cells, KVLayout, Part, Region
 
 # Wire history: 1 = handshake, push, notifications; 2 = claims (the fence), renewals, epochs, MACs;
 # 3 = Mooncake transport metadata carries the registered ranges, the error code set is closed.
@@ -62,15 +62,25 @@ class RegionMsg(msgspec.Struct, frozen=True, array_like=True):
     seg_len: int
 
 
+class PartMsg(msgspec.Struct, frozen=True, array_like=True):
+    offset: int
+    rows: int
+    row_stride: int
+    token_stride: int
+    cell_bytes: int
+
+
 class CellsMsg(msgspec.Struct, frozen=True, array_like=True):
     heads: int
     head_stride: int
     tokens: int
-    token_stride: int
-    cell_bytes: int
+    parts: list[PartMsg]
     first_head: int
-    parts: int = 1
-    part_stride: int = 0
+    token_addressable: bool
+
+
+_MAX_PARTS = 4  # K, V, or both: a peer's cells hold no more
+_MAX_ROWS = 2**16  # rows of a part (head_size at most, for a transposed K)
 
 
 class LayoutMsg(msgspec.Struct, frozen=True):
@@ -82,34 +92,37 @@ class LayoutMsg(msgspec.Struct, frozen=True):
     @classmethod
     def from_layout(cls, layout: KVLayout) -> LayoutMsg:
         c = layout.cells
+        cells = None
+        if c is not None:
+            parts = [PartMsg(p.offset, p.rows, p.row_stride, p.token_stride, p.cell_bytes) for p in c.parts]
+            cells = CellsMsg(c.heads, c.head_stride, c.tokens, parts, c.first_head, c.token_addressable)
         return cls(
-            layout.num_blocks,
-            layout.block_size,
-            [RegionMsg(r.base, r.block_stride, r.seg_len) for r in layout.regions],
-            None
-            if c is None
-            else CellsMsg(c.heads, c.head_stride, c.tokens, c.token_stride, c.cell_bytes, c.first_head, c.parts, c.part_stride),
+            layout.num_blocks, layout.block_size, [RegionMsg(r.base, r.block_stride, r.seg_len) for r in layout.regions], cells
         )
 
     def _cells(self) -> Cells | None:
         """The peer's cells, checked: every cell of a block lies inside the block's segment."""
-        if self.cells is None:
+        m = self.cells
+        if m is None:
             return None
-        c = Cells(**msgspec.structs.asdict(self.cells))
-        if (
-            c.heads < 1
-            or c.first_head < 0
-            or c.first_head + c.heads > _MAX_HEADS
-            or c.head_stride < 0
-            or not 1 <= c.parts <= 2
-            or c.part_stride < 0
-            or c.token_stride < 1
-            or c.cell_bytes < 1
-            or c.tokens != self.block_size
-            or any(c.extent > r.seg_len for r in self.regions)
-        ):
-            raise HandshakeError(f"peer advertised invalid KV cells {self.cells} for {self.block_size}-token blocks")
-        return c
+        parts = tuple(Part(p.offset, p.rows, p.row_stride, p.token_stride, p.cell_bytes) for p in m.parts)
+        bad = (
+            m.heads < 1
+            or m.first_head < 0
+            or m.first_head + m.heads > _MAX_HEADS
+            or m.head_stride < 0
+            or m.tokens != self.block_size
+            or not 1 <= len(parts) <= _MAX_PARTS
+            or any(
+                p.offset < 0 or not 1 <= p.rows <= _MAX_ROWS or p.row_stride < 0 or p.token_stride < 1 or p.cell_bytes < 1
+                for p in parts
+            )
+        )
+        if not bad:
+            c = Cells(m.heads, m.head_stride, m.tokens, parts, m.first_head, m.token_addressable)
+            if all(c.extent <= r.seg_len for r in self.regions):
+                return c
+        raise HandshakeError(f"peer advertised invalid KV cells {m} for {self.block_size}-token blocks")
 
     def to_layout(self) -> KVLayout:
         """The peer's layout, checked: addresses a peer advertises are used to plan transfers."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from kv_connectors.config import ConnectorConfig, Role
 from kv_connectors.errors import TransportError
-from kv_connectors.layout import Cells, KVLayout, TensorInfo, build_layout
+from kv_connectors.layout import Cells, KVLayout, Part, TensorInfo, build_layout
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transports import create_transport, ucx_on_loopback
 from kv_connectors.transports.base import MemoryKind, Transport, XferState
@@ -145,10 +145,11 @@ class Shape:
         return self.size_mib * 1024 // (self.block_kib * self.layers)
 
     def cells(self) -> Cells:
-        """vLLM's CPU layout: per head, K of every token, then V (HEAD_DIM_X2 / 2 floats each)."""
-        cell = HEAD_DIM_X2 // 2 * F32
-        bs = self.block_size
-        return Cells(self.heads, 2 * bs * cell, bs, cell, cell, self.first_head, parts=2, part_stride=bs * cell)
+        """vLLM's CPU layout ("vec" kernels): per head, K transposed, then V token by token."""
+        head = HEAD_DIM_X2 // 2
+        k = Part(0, head, self.block_size * F32, F32, F32)
+        v = Part(self.block_size * head * F32, 1, 0, head * F32, head * F32)
+        return Cells(self.heads, 2 * self.block_size * head * F32, self.block_size, (k, v), self.first_head)
 
     @property
     def words_per_block(self) -> int:  # 64-bit words in one block segment

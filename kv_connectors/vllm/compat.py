@@ -76,6 +76,18 @@ def unhashed_block_ids(blocks: Any) -> list[int]:
     return [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not getattr(b, "is_null", False)]
 
 
+def cpu_attn_isa(vllm_config: Any) -> str | None:
+    """The kernel ISA vLLM's CPU attention picks for this model and block size ("vec", "vec16",
+    "amx", ...): it decides how K and V lie inside a block. None where vLLM does not say."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        return str(_get_attn_isa(mc.dtype, int(cc.block_size), int(mc.get_head_size()), cc.cache_dtype))
+    except Exception:  # another vLLM: the layout is then known only down to a head's whole block
+        return None
+
+
 def model_facts(vllm_config: Any) -> dict[str, Any]:
     """Model properties that go into the compatibility hash (not the path: copies of a model match)."""
     mc = vllm_config.model_config
@@ -94,6 +106,7 @@ def model_facts(vllm_config: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "cpu_attn_isa",
     "FINISHED_NORMALLY",
     "KVConnectorBase_V1",
     "KVConnectorPromMetrics",

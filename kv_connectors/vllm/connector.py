@@ -151,7 +151,8 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             first, heads = rank_heads(total_heads, tp, self.worker_side.rank)
             if on_cpu:  # K of every token, then V, in one tensor: its shape does not say so
                 head_size = int(self._vllm_config.model_config.get_head_size())
-                return cells_of_cpu_tensor(info, num_blocks, self._block_size, heads, head_size).with_first_head(first)
+                isa = compat.cpu_attn_isa(self._vllm_config)
+                return cells_of_cpu_tensor(info, num_blocks, self._block_size, heads, head_size, isa).with_first_head(first)
             return cells_of_tensor(info, num_blocks, self._block_size, heads).with_first_head(first)
         except ConfigError as e:
             logger.info("KV blocks planned whole only: %s", e)

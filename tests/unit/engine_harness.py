@@ -11,7 +11,7 @@ import numpy as np
 
 from kv_connectors import wire
 from kv_connectors.config import parse_config
-from kv_connectors.layout import Cells, rank_heads
+from kv_connectors.layout import rank_heads, token_major
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
 from kv_connectors.transports.memory import MemoryClient, MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.worker import WorkerEngine
@@ -171,7 +171,7 @@ class Cluster:
         layout = host_layout(kv, NUM_BLOCKS, block_size)
         if self.heads is not None:  # (regions, blocks, heads, tokens, cell)
             cell = CELL_WORDS * 4
-            cells = Cells(heads, block_size * cell, block_size, cell, cell, first)
+            cells = token_major(heads, block_size * cell, block_size, cell, cell, first)
             layout = dataclasses.replace(layout, cells=cells)
         made: list[MemoryTransport] = []
 

@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 from kv_connectors.errors import ConfigError, TransferParamsError
-from kv_connectors.layout import Cells, TensorInfo, build_layout, cells_of_cpu_tensor, cells_of_tensor, rank_heads
+from kv_connectors.layout import (
+    Cells,
+    Part,
+    TensorInfo,
+    build_layout,
+    cells_of_cpu_tensor,
+    cells_of_tensor,
+    rank_heads,
+    token_major,
+)
 from kv_connectors.plan import BlockTable, plan_cells
 
 LAYERS = 2
@@ -24,7 +33,8 @@ HEAD_SIZE = 3  # float32 values per head and token, per K or V
 class Side:
     """One rank's KV cache in a given layout, with logical accessors (token slot, local head)."""
 
-    # cpu: vLLM's (blocks, heads, bs, 2*hs): per head K of every token, then V | fused: the same shape,
+    # cpu: vLLM's (blocks, heads, bs, 2*hs): per head K transposed (element d of token s at d * bs + s),
+    # then V token by token ("vec" kernels) | fused: the same shape,
     # K and V of a token side by side | nhd (2, blocks, bs, heads, hs) | hnd (2, blocks, heads, bs, hs) | mla
     kind: str
     num_blocks: int
@@ -52,7 +62,7 @@ class Side:
         ]
         layout = build_layout(infos, self.num_blocks, self.block_size, block_dim=1 if self.kind in ("nhd", "hnd") else 0)
         if self.kind == "cpu":
-            cells = cells_of_cpu_tensor(infos[0], self.num_blocks, self.block_size, self.heads, HEAD_SIZE)
+            cells = cells_of_cpu_tensor(infos[0], self.num_blocks, self.block_size, self.heads, HEAD_SIZE, "vec")
         else:
             cells = cells_of_tensor(
                 infos[0], self.num_blocks, self.block_size, self.heads, block_dim=1 if self.kind in ("nhd", "hnd") else 0
@@ -63,8 +73,10 @@ class Side:
         """A view of one token's K and V values of one (global) head, as (2, HEAD_SIZE)."""
         t, h = self.tensors[layer], head - self.first_head
         if self.kind == "cpu":
-            kv = t[block, h].reshape(2, self.block_size, HEAD_SIZE)
-            return kv[:, slot]
+            seg = t[block, h].reshape(-1)
+            k = seg[slot : HEAD_SIZE * self.block_size : self.block_size]
+            v = seg[HEAD_SIZE * self.block_size + slot * HEAD_SIZE :][:HEAD_SIZE]
+            return np.stack((k, v))
         if self.kind == "fused":
             return t[block, h, slot].reshape(2, HEAD_SIZE)
         if self.kind == "mla":
@@ -76,7 +88,9 @@ class Side:
     def set_cell(self, layer: int, block: int, slot: int, head: int, value: np.ndarray) -> None:
         t, h = self.tensors[layer], head - self.first_head
         if self.kind == "cpu":
-            t[block, h].reshape(2, self.block_size, HEAD_SIZE)[:, slot] = value
+            seg = t[block, h].reshape(-1)  # a view: t is contiguous
+            seg[slot : HEAD_SIZE * self.block_size : self.block_size] = value[0]
+            seg[HEAD_SIZE * self.block_size + slot * HEAD_SIZE :][:HEAD_SIZE] = value[1]
         elif self.kind == "fused":
             t[block, h, slot] = value.reshape(-1)
         elif self.kind == "mla":
@@ -168,23 +182,26 @@ def test_block_size_32_to_64_is_two_runs_per_destination_block_and_head():
     src = Side.make("cpu", 16, 32, 0, 2, 0.0)
     dst = Side.make("cpu", 16, 64, 0, 2, 0.0)
     plan = plan_cells(src.layout(), BlockTable([1, 5, 9, 3]), dst.layout(), BlockTable([2, 6]), 0, 128)
-    assert plan.num_runs == 2 * 2 * 2 * 2 * LAYERS  # D blocks x P blocks per D block x heads x (K, V) x layers
+    # D blocks x P blocks per D block x heads x (K: a run per transposed row, V: one) x layers
+    assert plan.num_runs == 2 * 2 * 2 * (HEAD_SIZE + 1) * LAYERS
 
 
 def test_cells_of_vllm_layouts():
     cpu = (10, 2, 16, 8)  # vLLM CPU: (blocks, heads, block_size, 2 * head_size), K then V per head
-    c = cells_of_cpu_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2, 4)
-    assert c == Cells(heads=2, head_stride=512, tokens=16, token_stride=16, cell_bytes=16, parts=2, part_stride=256)
+    c = cells_of_cpu_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2, 4, "vec")
+    assert c == Cells(heads=2, head_stride=512, tokens=16, parts=(Part(0, 4, 64, 4, 4), Part(256, 1, 0, 16, 16)))
+    opaque = cells_of_cpu_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2, 4, "amx")
+    assert not opaque.token_addressable and opaque.head_stride == 512
     with pytest.raises(ConfigError, match="not vLLM's CPU layout"):
-        cells_of_cpu_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2, 8)
+        cells_of_cpu_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2, 8, "vec")
     c = cells_of_tensor(TensorInfo("l", 0, cpu, (256, 128, 8, 1), 4), 10, 16, 2)  # read as K and V side by side
-    assert c == Cells(heads=2, head_stride=512, tokens=16, token_stride=32, cell_bytes=32)
+    assert c == token_major(heads=2, head_stride=512, tokens=16, token_stride=32, cell_bytes=32)
     nhd = (2, 10, 16, 4, 8)  # CUDA NHD: tokens outside heads
     c = cells_of_tensor(TensorInfo("l", 0, nhd, (5120, 512, 32, 8, 1), 2), 10, 16, 4, block_dim=1)
-    assert (c.head_stride, c.token_stride, c.cell_bytes) == (16, 64, 16)
+    assert c == token_major(heads=4, head_stride=16, tokens=16, token_stride=64, cell_bytes=16)
     mla = (10, 16, 576)  # MLA: one latent per token, no head dimension
     c = cells_of_tensor(TensorInfo("l", 0, mla, (9216, 576, 1), 2), 10, 16, 1)
-    assert (c.heads, c.head_stride, c.token_stride, c.cell_bytes) == (1, 0, 1152, 1152)
+    assert c == token_major(heads=1, head_stride=0, tokens=16, token_stride=1152, cell_bytes=1152)
     with pytest.raises(ConfigError, match="cannot tell its token dimension"):
         cells_of_tensor(TensorInfo("l", 0, (10, 16, 16, 8), (2048, 128, 8, 1), 4), 10, 16, 16)
 
@@ -203,11 +220,32 @@ def test_refusals_name_both_sides():
         plan_cells(a.layout(), BlockTable([1]), b.layout(), BlockTable([2]), 0, 8)
     with pytest.raises(ConfigError, match="KV layouts have 2 and 4 regions"):
         plan_cells(a.layout(), BlockTable([1]), Side.make("nhd", 16, 8, 0, 1, 0.0).layout(), BlockTable([2]), 0, 8)
-    other = a.layout()
-    other = dataclasses.replace(other, cells=dataclasses.replace(other.cells, cell_bytes=6))
-    with pytest.raises(ConfigError, match="a token of one head is 2 x 12 bytes on the source and 2 x 6 on the destination"):
+    other = Side.make("fused", 16, 8, 0, 1, 0.0).layout()
+    with pytest.raises(ConfigError, match=r"a token of one head is \(rows, bytes\) \(3, 4, 1, 12\) on the source and \(1, 24\)"):
         plan_cells(a.layout(), BlockTable([1]), other, BlockTable([2]), 0, 8)
     with pytest.raises(TransferParamsError, match="the transfer needs 0..15"):
         plan_cells(a.layout(), BlockTable([1]), a.layout(), BlockTable([2, 3]), 0, 16)
     with pytest.raises(TransferParamsError, match="int64"):
         plan_cells(a.layout(), BlockTable([2**63]), a.layout(), BlockTable([2]), 0, 8)
+
+
+def test_a_layout_known_only_to_a_heads_block_moves_whole_head_slices_but_no_tokens():
+    """vLLM CPU kernels other than "vec" (amx, vec16): the inside of a head's block is not known;
+    another TP split still moves whole head slices, a token range or another block size is refused."""
+    src, dst = Side.make("cpu", 16, 8, 0, 2, 0.0), Side.make("cpu", 16, 8, 1, 1, 0.0)
+
+    def opaque(side: Side):
+        layout = side.layout()
+        t = side.tensors[0]
+        info = TensorInfo("l", t.ctypes.data, t.shape, tuple(x // 4 for x in t.strides), 4)
+        cells = cells_of_cpu_tensor(info, 16, 8, side.heads, HEAD_SIZE, None).with_first_head(side.first_head)
+        return dataclasses.replace(layout, cells=cells)
+
+    for t in src.tensors:
+        t[...] = np.arange(t.size, dtype=np.float32).reshape(t.shape)
+    plan = plan_cells(opaque(src), BlockTable([3, 4]), opaque(dst), BlockTable([5, 6]), 0, 16)
+    _apply(plan, src, dst)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(dst.tensors[layer][[5, 6], 0], src.tensors[layer][[3, 4], 1])
+    with pytest.raises(ConfigError, match="tokens cannot be mapped"):
+        plan_cells(opaque(src), BlockTable([3, 4]), opaque(dst), BlockTable([5, 6]), 0, 13)

@@ -6,7 +6,7 @@ import pytest
 from kv_connectors import wire
 from kv_connectors.config import VALID_KEYS, Role, TransferMode, parse_config
 from kv_connectors.errors import ConfigError, HandshakeError, IncompatiblePeerError, TransferParamsError
-from kv_connectors.layout import Cells, KVLayout, Region
+from kv_connectors.layout import Cells, KVLayout, Part, Region
 from kv_connectors.params import parse_remote_prefill, producer_params
 from kv_connectors.state import SendLeases
 
@@ -40,16 +40,20 @@ def test_round_trip_every_message():
 
 
 def test_cells_travel_with_the_layout_and_are_checked():
-    cells = Cells(heads=2, head_stride=256, tokens=32, token_stride=8, cell_bytes=8, first_head=2)
-    layout = KVLayout(8, 32, (Region(4096, 512, 512, 8),), cells)
+    k, v = Part(0, 2, 64, 4, 4), Part(128, 1, 0, 8, 8)  # K transposed (2 rows of a 4-byte element), V by token
+    cells = Cells(heads=2, head_stride=256, tokens=16, parts=(k, v), first_head=2)
+    layout = KVLayout(8, 16, (Region(4096, 512, 512, 8),), cells)
     msg = wire.LayoutMsg.from_layout(layout)
     assert wire.decode(wire.encode(wire.HandshakeReply("p", "a", b"", msg), "h"), "h").layout.to_layout() == layout
+    part = msg.cells.parts[1]
     for bad in (
-        {"cell_bytes": 16},  # the last cell would end past the 512-byte segment
-        {"tokens": 16},  # not the advertised block size
+        {"parts": [msgspec.structs.replace(part, cell_bytes=400)]},  # the last cell would end past the 512-byte segment
+        {"tokens": 32},  # not the advertised block size
         {"first_head": 2**62},
         {"heads": 0},
-        {"token_stride": -8},
+        {"parts": [msgspec.structs.replace(part, token_stride=-8)]},
+        {"parts": [msgspec.structs.replace(part, rows=2**40)]},
+        {"parts": []},
     ):
         forged = msgspec.structs.replace(msg, cells=msgspec.structs.replace(msg.cells, **bad))
         with pytest.raises(HandshakeError, match="invalid KV cells"):
