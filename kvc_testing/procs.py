@@ -325,8 +325,11 @@ class VllmServer(ManagedProcess):
         name: str | None = None,
         log_path: str | Path | None = None,
         netns: str | None = None,
+        cpus: str | None = None,
     ) -> None:
-        """netns: run in that network namespace (`ip netns exec`, which execs: same pid and group)."""
+        """netns: run in that network namespace (`ip netns exec`, which execs: same pid and group).
+        cpus: run the whole server (every process it starts) on these cores (`taskset -c`, which
+        execs too): keeps another server's spinning workers off them."""
         self.model = str(model)
         self.host = host
         self.port = port if port is not None else free_port()
@@ -346,6 +349,8 @@ class VllmServer(ManagedProcess):
         if served_model_name:
             argv += ["--served-model-name", served_model_name]
         argv += [str(a) for a in extra_args]
+        if cpus is not None:
+            argv = ["taskset", "-c", cpus, *argv]
         if netns is not None:
             argv = ["ip", "netns", "exec", netns, *argv]
         env = self.default_env(cpu_bind, omp_threads, multiprocessing, pin)

@@ -34,11 +34,16 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 
 TP = 2
 HANDSHAKE_S = 5.0
+# Each TP server on a core of its own, both ranks on it. vLLM's TP workers spin (sched_yield) for a
+# second after every step, and an engine steps every millisecond while it holds blocks for a peer:
+# P's three processes then starve D's API server on 2 shared cores (measured: D saw its request only
+# once P's lease had run out, 30 s later). Pinned, a TP 2 load takes milliseconds.
+_CORE = ({"cpu_bind": "0|0", "cpus": "0"}, {"cpu_bind": "1|1", "cpus": "1"})
 
 
 @pytest.fixture(scope="module")
 def tp_prefill(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P-tp2", max_model_len=MAX_MODEL_LEN, tp=TP)
+    server = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P-tp2", max_model_len=MAX_MODEL_LEN, tp=TP, **_CORE[0])
     with server:
         yield server
 
@@ -53,6 +58,7 @@ def tp_decode(tiny_model) -> Iterator[VllmServer]:
         max_model_len=MAX_MODEL_LEN,
         tp=TP,
         extra_config={"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
+        **_CORE[1],
     )
     with server:
         yield server
