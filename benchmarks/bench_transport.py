@@ -192,6 +192,26 @@ def tp_shapes(args: argparse.Namespace) -> tuple[Shape, Shape]:
     return p, d
 
 
+def homogeneous_counterpart(args: argparse.Namespace) -> argparse.Namespace:
+    """The same bytes between ranks that hold the same heads: both sides at the larger TP size,
+    the D rank holding the heads the heterogeneous read moves, P's cache cut to those heads."""
+    tp = max(args.p_tp, args.d_tp)
+    p_shape, d_shape = tp_shapes(args)
+    lo = max(p_shape.first_head, d_shape.first_head)
+    d_rank = next(r for r in range(tp) if rank_heads(args.kv_heads, tp, r)[0] == lo)
+    heads = rank_heads(args.kv_heads, tp, d_rank)[1]
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "p_tp": tp,
+            "d_tp": tp,
+            "d_rank": d_rank,
+            "size_mib": args.size_mib * heads // p_shape.heads,
+            "block_kib": args.block_kib * heads // p_shape.heads,
+        }
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     p_shape, d_shape = tp_shapes(args)
     p_shape.check()
@@ -328,7 +348,7 @@ def report(r: dict[str, Any]) -> None:
     if "ratio_homogeneous" in r:
         h = r["homogeneous"]
         print(
-            f"same D rank from a P of its own TP size, same run: {h['gbps']:.2f} GB/s, {h['descriptors']} descriptors; "
+            f"the same bytes between ranks of one TP size, same run: {h['gbps']:.2f} GB/s, {h['descriptors']} descriptors; "
             f"ratio heterogeneous/homogeneous {r['ratio_homogeneous']:.3f}"
         )
     print(f"memcpy, {r['memcpy']}: best {r['memcpy_gbps_best']:.2f}, median {r['memcpy_gbps']:.2f} GB/s")
@@ -396,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--compare-homogeneous",
         action="store_true",
-        help="with --p-tp != --d-tp: first the same D rank reading from a P of its TP size, same bytes (ratio_homogeneous)",
+        help="with --p-tp != --d-tp: first the same bytes between ranks of one TP size holding the same heads (ratio_homogeneous)",
     )
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args(argv)
@@ -420,9 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         setattr(args, key, values[0])
     baseline = None
     if args.compare_homogeneous and args.p_tp != args.d_tp:
-        same = argparse.Namespace(**{**vars(args), "p_tp": args.d_tp})
-        same.size_mib, same.block_kib = tp_shapes(args)[1].size_mib, tp_shapes(args)[1].block_kib  # D's bytes
-        baseline = run(same)
+        baseline = run(homogeneous_counterpart(args))
         report(baseline)
         print()
     result = run(args)
