@@ -5,6 +5,7 @@ handshake within its deadline, naming both sides' sizes."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kv_connectors.params import TP_SIZE, parse_remote_prefill, producer_params
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
@@ -44,8 +45,10 @@ def _run(c: Cluster, nodes: list[Node], steps: int = 8) -> None:
             n.step()
 
 
-def test_each_decode_rank_pulls_its_own_prefill_ranks_heads():
-    c, ps, ds = _tp2()
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_each_decode_rank_loads_its_own_prefill_ranks_heads(mode: str):
+    """Pull: D rank r reads P rank r's blocks; push: P rank r writes them into D rank r's."""
+    c, ps, ds = _tp2(mode)
     _prefill(ps, "r1")
     _recv(ds, "d1", "r1")
     _run(c, [*ds, *ps])
@@ -55,18 +58,6 @@ def test_each_decode_rank_pulls_its_own_prefill_ranks_heads():
             assert np.array_equal(d.block(db), p.block(pb))
         assert p.finished_sending == {"r1"} and p.engine.stats.expired_leases == 0
     assert not np.array_equal(ds[0].block(D_BLOCKS[0]), ds[1].block(D_BLOCKS[0]))  # the ranks' heads differ
-
-
-def test_each_prefill_rank_pushes_into_its_own_decode_rank():
-    c, ps, ds = _tp2("push")
-    _prefill(ps, "r1")
-    _recv(ds, "d1", "r1")
-    _run(c, [*ds, *ps])
-    for p, d in zip(ps, ds):
-        assert d.finished_recving == {"d1"} and not d.failed_recving
-        for pb, db in zip(P_BLOCKS, D_BLOCKS):
-            assert np.array_equal(d.block(db), p.block(pb))
-        assert p.finished_sending == {"r1"}
 
 
 def test_releases_reach_every_prefill_rank():
