@@ -15,10 +15,22 @@ from typing import Any
 import numpy as np
 
 from kv_connectors.layout import KVLayout, rank_heads, source_ranks
-from kv_connectors.plan import TransferPlan, plan_blocks
+from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.transports.base import Transport, XferState
 from kvc_testing import peers
-from kvc_testing.peers import Peer, PeerSpec, Shape, check_heads, check_pattern, fill_pattern, fill_sentinel
+from kvc_testing.peers import (
+    F32,
+    HEAD_DIM_X2,
+    Peer,
+    PeerSpec,
+    Shape,
+    bench_kv,
+    check_heads,
+    check_pattern,
+    check_tokens,
+    fill_pattern,
+    fill_sentinel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +133,11 @@ def block_ids(order: str, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.permutation(n), rng.permutation(n)
 
 
-def time_plan(src: KVLayout, dst: KVLayout, s: np.ndarray, d: np.ndarray) -> tuple[TransferPlan, float]:
+def time_plan(planned: Any, s: np.ndarray, d: np.ndarray) -> tuple[TransferPlan, float]:
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        plan = plan_blocks(src, s, dst, d)
+        plan = planned(s, d)
         best = min(best, time.perf_counter() - t0)
     return plan, best
 
@@ -185,16 +197,32 @@ def tp_shapes(args: argparse.Namespace) -> tuple[Shape, Shape]:
     p_rank = source_ranks(args.kv_heads, args.p_tp, args.d_tp, args.d_rank)[0]
     p_first, p_heads = rank_heads(args.kv_heads, args.p_tp, p_rank)
     d_first, d_heads = rank_heads(args.kv_heads, args.d_tp, args.d_rank)
-    if (args.size_mib * d_heads) % p_heads or (args.block_kib * d_heads) % p_heads:
-        raise SystemExit("--size-mib and --block-kib must split into D's heads")
-    p = Shape(args.size_mib, args.block_kib, args.layers, p_heads, p_first)
-    d = Shape(args.size_mib * d_heads // p_heads, args.block_kib * d_heads // p_heads, args.layers, d_heads, d_first)
+    p_kib = args.block_kib
+    if args.p_block:
+        p_kib = _kib(args.p_block * p_heads, "--p-block")
+    p = Shape(args.size_mib, p_kib, args.layers, p_heads, p_first)
+    p.check()
+    d_tokens = args.d_block or p.block_size
+    d_kib = _kib(d_tokens * d_heads, "--d-block")
+    tokens = p.num_blocks * p.block_size
+    if tokens % d_tokens or (tokens // d_tokens * d_kib * args.layers) % 1024:
+        raise SystemExit("P's tokens must fill whole D blocks and whole MiB")
+    d = Shape(tokens // d_tokens * d_kib * args.layers // 1024, d_kib, args.layers, d_heads, d_first)
     return p, d
 
 
+def _kib(token_heads: int, flag: str) -> int:
+    """KiB of a block holding token_heads (tokens x heads) of the benchmark's KV."""
+    nbytes = token_heads * HEAD_DIM_X2 * F32
+    if nbytes % 1024:
+        raise SystemExit(f"{flag}: a block must be whole KiB ({nbytes} bytes)")
+    return nbytes // 1024
+
+
 def homogeneous_counterpart(args: argparse.Namespace) -> argparse.Namespace:
-    """The same bytes between ranks that hold the same heads: both sides at the larger TP size,
-    the D rank holding the heads the heterogeneous read moves, P's cache cut to those heads."""
+    """The same bytes between ranks that hold the same heads in blocks of the same size: both sides
+    at the larger TP size, the D rank holding the heads the heterogeneous read moves, P's cache cut
+    to those heads, D's blocks as large as P's."""
     tp = max(args.p_tp, args.d_tp)
     p_shape, d_shape = tp_shapes(args)
     lo = max(p_shape.first_head, d_shape.first_head)
@@ -208,20 +236,22 @@ def homogeneous_counterpart(args: argparse.Namespace) -> argparse.Namespace:
             "d_rank": d_rank,
             "size_mib": args.size_mib * heads // p_shape.heads,
             "block_kib": args.block_kib * heads // p_shape.heads,
+            "d_block": p_shape.block_size if args.d_block else 0,
         }
     )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     p_shape, d_shape = tp_shapes(args)
-    p_shape.check()
     d_shape.check()
     shape = p_shape
-    hetero = (p_shape.heads, p_shape.first_head) != (d_shape.heads, d_shape.first_head)
+    tokens = p_shape.num_blocks * p_shape.block_size
+    by_token = p_shape.block_size != d_shape.block_size
+    hetero = by_token or (p_shape.heads, p_shape.first_head) != (d_shape.heads, d_shape.first_head)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback between the two processes
     push = args.mode == "push"
     if hetero and (push or args.staging == "on"):
-        raise SystemExit("different TP sizes are benchmarked pulling, without staging (as the connector serves them)")
+        raise SystemExit("different TP or block sizes are benchmarked pulling, without staging (as the connector serves them)")
     pool, chunk = (args.pool_mib << 20, args.chunk_kib << 10) if args.staging == "on" else (0, 0)
     # P holds the blocks D reads (pull), or sentinels the other process writes into (push).
     p_spec = engine_spec(args, "bench-p", p_shape, "sentinel" if push else "pattern", pool, chunk)
@@ -239,14 +269,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         poll_s = args.poll_us / 1e6
 
         src_layout, dst_layout = (local, remote) if push else (remote, local)
-        counts = {}
-        for o in ("sequential", "shuffled"):
-            s_ids, d_ids = block_ids(o, shape.num_blocks, args.seed)
-            counts[o] = plan_blocks(src_layout, s_ids, dst_layout, d_ids).num_runs
-        src_ids, dst_ids = block_ids(args.order, shape.num_blocks, args.seed)
-        plan, plan_s = time_plan(src_layout, dst_layout, src_ids, dst_ids)
 
-        one = plan_blocks(src_layout, [0], dst_layout, [0])  # one block of every layer: latency probe
+        def ids(order: str) -> tuple[np.ndarray, np.ndarray]:
+            if not by_token:
+                return block_ids(order, shape.num_blocks, args.seed)
+            return block_ids(order, p_shape.num_blocks, args.seed)[0], block_ids(order, d_shape.num_blocks, args.seed + 1)[1]
+
+        def planned(s_ids: Any, d_ids: Any) -> TransferPlan:
+            if by_token:
+                return plan_cells(src_layout, BlockTable(s_ids), dst_layout, BlockTable(d_ids), 0, tokens)
+            return plan_blocks(src_layout, s_ids, dst_layout, d_ids)
+
+        counts = {o: planned(*ids(o)).num_runs for o in ("sequential", "shuffled")}
+        src_ids, dst_ids = ids(args.order)
+        plan, plan_s = time_plan(planned, src_ids, dst_ids)
+        if by_token:  # latency probe: D's first block, from the P blocks holding its tokens
+            n = d_shape.block_size
+            one = plan_cells(src_layout, BlockTable(range(-(-n // p_shape.block_size))), dst_layout, BlockTable([0]), 0, n)
+        else:
+            one = plan_blocks(src_layout, [0], dst_layout, [0])  # one block of every layer: latency probe
         if push:
             fill_pattern(kv)
         run_xfer(transport, plan, poll_s, b"warmup", write=push)  # connection set-up, page tables
@@ -259,7 +300,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batches: list[int] = []
         secs = [run_xfer(transport, plan, poll_s, b"timed", batches, write=push)]
         if not push:
-            err = check_heads(kv, src_ids, dst_ids, p_shape, d_shape) if hetero else check_pattern(kv, src_ids, dst_ids)
+            if by_token:
+                err = check_tokens(kv, d_shape, dst_ids, bench_kv(p_shape, fill="pattern"), p_shape, src_ids)
+            elif hetero:
+                err = check_heads(kv, src_ids, dst_ids, p_shape, d_shape)
+            else:
+                err = check_pattern(kv, src_ids, dst_ids)
             if err:
                 raise SystemExit(err)
         secs += [run_xfer(transport, plan, poll_s, b"timed", write=push) for _ in range(args.repeat - 1)]
@@ -284,6 +330,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "d_rank": args.d_rank,
             "p_heads": [p_shape.first_head, p_shape.heads],
             "d_heads": [d_shape.first_head, d_shape.heads],
+            "p_block": p_shape.block_size,
+            "d_block": d_shape.block_size,
             "bytes": plan.total_bytes,
             "descriptors": plan.num_runs,
             "runs_per_block": round(plan.num_runs / shape.num_blocks, 3),
@@ -339,6 +387,8 @@ def report(r: dict[str, Any]) -> None:
         f"descriptors: {r['descriptors']} (sequential {by['sequential']}, shuffled {by['shuffled']}){batches}; "
         f"plan {r['plan_ms']:.2f} ms"
     )
+    if r["p_block"] != r["d_block"]:
+        print(f"block sizes: P {r['p_block']} tokens, D {r['d_block']}: {r['descriptors']} runs, tokens mapped one by one run")
     if r["p_tp"] != 1 or r["d_tp"] != 1:
         print(
             f"tensor parallelism: {r['kv_heads']} KV heads; P at TP {r['p_tp']} holds heads {r['p_heads']} "
@@ -412,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=2, help="the model's KV heads (the benchmark KV holds them per rank)")
     ap.add_argument("--p-tp", type=int, default=1, help="P's tensor-parallel size")
     ap.add_argument("--d-tp", type=int, default=1, help="D's tensor-parallel size")
+    ap.add_argument("--p-block", type=int, default=0, help="P's tokens per block (default: from --block-kib)")
+    ap.add_argument("--d-block", type=int, default=0, help="D's tokens per block (default: P's); another size maps tokens")
     ap.add_argument("--d-rank", type=int, default=0, help="the D rank played here (reads from the first P rank holding its heads)")
     ap.add_argument(
         "--compare-homogeneous",
@@ -439,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     for key, values in axes.items():
         setattr(args, key, values[0])
     baseline = None
-    if args.compare_homogeneous and args.p_tp != args.d_tp:
+    if args.compare_homogeneous and (args.p_tp != args.d_tp or args.p_block != args.d_block):
         baseline = run(homogeneous_counterpart(args))
         report(baseline)
         print()

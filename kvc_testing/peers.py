@@ -215,6 +215,33 @@ def check_pattern(kv: Sequence[Any], src_ids: Any, dst_ids: Any) -> str | None:
     return None
 
 
+def _tokens(kv: Sequence[Any], shape: Shape, ids: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer, (K, V) of the sequence held in blocks ids, as (heads, tokens, head) float32 arrays:
+    vLLM's CPU layout, K transposed then V token by token inside each head's block."""
+    head = HEAD_DIM_X2 // 2
+    bs, out = shape.block_size, []
+    for t in kv:
+        seg = t.cpu().numpy().reshape(shape.num_blocks, shape.heads, 2, bs * head)[np.asarray(ids)]
+        k = seg[:, :, 0].reshape(-1, shape.heads, head, bs).transpose(1, 0, 3, 2).reshape(shape.heads, -1, head)
+        v = seg[:, :, 1].reshape(-1, shape.heads, bs, head).transpose(1, 0, 2, 3).reshape(shape.heads, -1, head)
+        out.append((k, v))
+    return out
+
+
+def check_tokens(dst_kv: Sequence[Any], dst: Shape, dst_ids: Any, src_kv: Sequence[Any], src: Shape, src_ids: Any) -> str | None:
+    """None if the destination sequence (blocks dst_ids) holds the source sequence's (blocks
+    src_ids) K and V token for token, for every head both hold; the block sizes may differ."""
+    lo, hi = max(src.first_head, dst.first_head), min(src.first_head + src.heads, dst.first_head + dst.heads)
+    n = min(len(src_ids) * src.block_size, len(dst_ids) * dst.block_size)
+    for layer, (got, want) in enumerate(zip(_tokens(dst_kv, dst, dst_ids), _tokens(src_kv, src, src_ids))):
+        for part, g, w in (("K", got[0], want[0]), ("V", got[1], want[1])):
+            a = g[lo - dst.first_head : hi - dst.first_head, :n].view(np.int32)
+            b = w[lo - src.first_head : hi - src.first_head, :n].view(np.int32)
+            if not np.array_equal(a, b):
+                return f"VERIFY FAILED: layer {layer} {part} differs token by token after the transfer"
+    return None
+
+
 def bench_layout(kv: Sequence[Any], shape: Shape) -> KVLayout:
     """The layout with its cells (which heads of the model it holds)."""
     infos = [_info(f"layer{i}", t) for i, t in enumerate(kv)]
