@@ -181,16 +181,6 @@ class Receiver:
         elif peer.layout is None:
             if now > task.deadline:
                 task.fail(FailReason.HANDSHAKE, "handshake with producer timed out")
-        elif (
-            peer.layout.block_size != self._layout.block_size
-            and task.local_block_ids
-            and (self._cfg.mode is TransferMode.PUSH or not task.remote_block_ids)
-        ):
-            why = (
-                f"the producer's blocks hold {peer.layout.block_size} tokens, ours {self._layout.block_size}: "
-                "different block sizes are served in pull mode with P's block ids only (not push)"
-            )
-            self._fail_transfer(task, FailReason.HANDSHAKE, KVConnectorError(why))  # and tell P to free them
         elif self._cfg.mode is TransferMode.PUSH or not task.local_block_ids or not task.remote_block_ids:
             self._request_push(task)  # P's blocks unknown (transfer-id flow): only P can move them
         else:
@@ -204,6 +194,10 @@ class Receiver:
             consumer_agent=self._transport.name,
             consumer_request_id=task.request_id,
             block_ids=list(task.local_block_ids),
+            consumer_rank=self._rank,
+            first_token=task.first_token,
+            num_tokens=task.num_tokens,
+            consumer_first_token=task.local_first_token,
         )
         task.ack = self._submit(task.peer_key, request)
         task.phase = RecvPhase.REQUESTED

@@ -19,7 +19,7 @@ from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import KVConnectorError, TransferParamsError
 from kv_connectors.layout import KVLayout, reader_count
-from kv_connectors.plan import plan_blocks
+from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.state import ClaimResult, SendLeases
 from kv_connectors.transports.base import Transport, XferState
 
@@ -38,12 +38,15 @@ class _Write:
     deadline: float
     handles: list[Any] = dataclasses.field(default_factory=list)
     runs: int = 0
-    # Layer-wise only: P's blocks paired with D's (the tail of P's), D's layout, regions not written yet.
+    # Layer-wise only: P's blocks of the request, D's layout, regions not written yet.
     src_blocks: tuple[int, ...] = ()
     dst: KVLayout | None = None
     regions_left: set[int] = dataclasses.field(default_factory=set)
     layers_in_forward: int = 0  # layers written from save_kv_layer, during the forward pass
     error: str = ""
+
+
+WriteKey = tuple[str, str]  # (the lease key D names the blocks by, the consumer rank's agent)
 
 
 def _reader(engine_id: str, rank: int) -> str:
@@ -85,9 +88,10 @@ class Sender:
         self.leases = SendLeases()
         self._inbox: queue.SimpleQueue[wire.HandshakeRequest | wire.PushRequest] = queue.SimpleQueue()
         self._consumers: dict[str, KVLayout] = {}  # agent name -> layout
-        self._waiting: dict[str, _Write] = {}  # push requests whose lease is not known yet, by key
-        self._writing: dict[str, _Write] = {}
-        self._layerwise: dict[str, _Write] = {}  # writes following this step's forward pass
+        # Push requests by (lease key, consumer agent): the D ranks reading one lease each ask.
+        self._waiting: dict[WriteKey, _Write] = {}  # whose lease is not known yet
+        self._writing: dict[WriteKey, _Write] = {}
+        self._layerwise: dict[WriteKey, _Write] = {}  # writes following this step's forward pass
         self._cancelled: dict[str, tuple[str, float]] = {}  # key -> (reason, when)
         self.pushes = 0
         self.push_failures = 0
@@ -138,7 +142,7 @@ class Sender:
         now = self._clock()
         for rid, spec in reqs.items():
             self.leases.add(spec.key, rid, spec.block_ids, now, self._cfg.lease_s)
-            if spec.key in self._layerwise or spec.key in self._writing:
+            if any(wk[0] == spec.key for wk in (*self._layerwise, *self._writing)):
                 self.leases.hold(spec.key)
             if spec.cancelled:
                 self.cancel(spec.key, f"prefill request {rid} was aborted")
@@ -146,17 +150,15 @@ class Sender:
     def cancel(self, key: str, reason: str) -> None:
         """P's request ended without KV for D: fail D's push now (after writes in flight settle)."""
         now = self._clock()
-        write = self._waiting.pop(key, None)
-        if write is not None:
-            self._finish(write, reason)
-            return
-        layered = self._layerwise.pop(key, None)
-        if layered is not None:
-            layered.error = reason  # its handles settle in _poll, which then tells D
-            layered.regions_left.clear()
-            self._writing[key] = layered
-            return
-        if key not in self._writing:
+        waiting = [wk for wk in self._waiting if wk[0] == key]
+        for wk in waiting:
+            self._finish(self._waiting.pop(wk), reason)
+        layered = [wk for wk in self._layerwise if wk[0] == key]
+        for wk in layered:
+            write = self._writing[wk] = self._layerwise.pop(wk)
+            write.error = reason  # its handles settle in _poll, which then tells D
+            write.regions_left.clear()
+        if not waiting and not layered and not any(wk[0] == key for wk in self._writing):
             self._cancelled[key] = (reason, now)
             self.leases.notice(key, now)
 
@@ -169,28 +171,29 @@ class Sender:
     def progress(self) -> None:
         now = self._clock()
         self._drain_inbox(now)
-        for key in list(self._waiting):
-            write = self._waiting[key]
+        for wk in list(self._waiting):
+            write = self._waiting[wk]
             try:
-                self._advance_waiting(key, write, now)
+                self._advance_waiting(wk, write, now)
             except Exception as e:  # boundary: a bug or a peer's bad request fails that push, never the step
-                logger.exception("push of %s: unexpected error", key)
-                self._waiting.pop(key, None)
+                logger.exception("push of %s: unexpected error", wk[0])
+                self._waiting.pop(wk, None)
                 self._finish(write, f"internal error: {type(e).__name__}: {e}")
-        for key in list(self._writing):
-            self._poll(key, self._writing[key], now)
+        for wk in list(self._writing):
+            self._poll(wk, self._writing[wk], now)
         for key in [k for k, (_r, t) in self._cancelled.items() if now - t > _CANCEL_TTL_S]:
             del self._cancelled[key]
 
-    def _advance_waiting(self, key: str, write: _Write, now: float) -> None:
+    def _advance_waiting(self, wk: WriteKey, write: _Write, now: float) -> None:
+        key = wk[0]
         if self.leases.block_ids(key) is not None:
-            del self._waiting[key]
-            self._post(key, write)
+            del self._waiting[wk]
+            self._post(wk, write)
         elif (why := self.leases.gone(key)) is not None:
-            del self._waiting[key]  # its lease already ended: fail D now, not at its deadline
+            del self._waiting[wk]  # its lease already ended: fail D now, not at its deadline
             self._finish(write, f"prefill request {key}'s blocks were already freed ({why})")
         elif now > write.deadline:
-            del self._waiting[key]
+            del self._waiting[wk]
             self._finish(write, f"prefill request {key} is unknown here or its blocks were already freed")
 
     def _drain_inbox(self, now: float) -> None:
@@ -208,7 +211,7 @@ class Sender:
             elif key in self._cancelled:
                 self._finish(_Write(msg, now), self._cancelled.pop(key)[0])
             else:
-                self._waiting[key] = _Write(msg, now + self._cfg.transfer_timeout_s)
+                self._waiting[(key, msg.consumer_agent)] = _Write(msg, now + self._cfg.transfer_timeout_s)
 
     def _connect(self, request: wire.HandshakeRequest) -> None:
         assert request.layout is not None
@@ -227,29 +230,46 @@ class Sender:
         dst = self._consumers.get(req.consumer_agent)
         if dst is None:
             return f"consumer {req.consumer_agent} did not hand-shake for push"
-        if len(req.block_ids) > len(own):
+        if dst.block_size == self._layout.block_size and len(req.block_ids) > len(own):
             return f"asked for {len(req.block_ids)} blocks, request {req.producer_request_id} holds {len(own)}"
         return dst
 
-    def _post(self, key: str, write: _Write) -> None:
-        req = write.request
+    def _plan(
+        self, own: tuple[int, ...], dst: KVLayout, req: wire.PushRequest, regions: Sequence[int] | None = None
+    ) -> TransferPlan:
+        """P's blocks into D's (these regions only, if given): paired from the tail where both
+        sides' blocks hold as many tokens (head slices planned where the TP sizes differ), else the
+        tokens D asked for, mapped through both block tables."""
+        src, to = (self._layout, dst) if regions is None else (self._layout.select(regions), dst.select(regions))
+        if dst.block_size == self._layout.block_size or not req.num_tokens:
+            return plan_blocks(src, _tail(own, len(req.block_ids)), to, req.block_ids)
+        mine, theirs = BlockTable(own), BlockTable(req.block_ids, req.consumer_first_token)
+        return plan_cells(src, mine, to, theirs, req.first_token, req.num_tokens)
+
+    def _done(self, key: str, req: wire.PushRequest, now: float) -> None:
+        """One consumer rank is written (or failed): the lease ends once every reading rank is."""
+        readers = self._readers.get(req.consumer_engine_id, 1)
+        self.leases.notice(key, now, _reader(req.consumer_engine_id, req.consumer_rank), req.consumer_engine_id, readers)
+
+    def _post(self, wk: WriteKey, write: _Write) -> None:
+        key, req = wk[0], write.request
         own = self.leases.block_ids(key)
         assert own is not None
         dst = self._check(write, own)
         try:
             if isinstance(dst, str):
                 raise KVConnectorError(dst)
-            plan = plan_blocks(self._layout, _tail(own, len(req.block_ids)), dst, req.block_ids)
+            plan = self._plan(own, dst, req)
             write.runs = plan.num_runs
             notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs), self._hash)
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
         except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             self._finish(write, f"write failed: {e}")
-            self.leases.notice(key, self._clock())
+            self._done(key, req, self._clock())
             return
         self.leases.hold(key)
         write.deadline = self._clock() + self._cfg.transfer_timeout_s
-        self._writing[key] = write
+        self._writing[wk] = write
 
     # layer-wise push (transfer-id flow) -----------------------------------------------------------
     def begin_layerwise(self, reqs: Mapping[str, Any]) -> None:
@@ -259,17 +279,18 @@ class Sender:
         now = self._clock()
         self._drain_inbox(now)
         for spec in reqs.values():
-            write = self._waiting.get(spec.key)
-            if write is None or not self._layer_regions:
-                continue  # D not here yet: pushed whole once P's request finishes
-            dst = self._check(write, spec.block_ids)
-            if isinstance(dst, str):
-                continue  # the whole-request path reports it
-            del self._waiting[spec.key]
-            write.src_blocks, write.dst = _tail(spec.block_ids, len(write.request.block_ids)), dst
-            write.regions_left = set(range(len(self._layout.regions)))
-            write.deadline = now + self._cfg.transfer_timeout_s
-            self._layerwise[spec.key] = write
+            if not self._layer_regions:
+                break
+            for wk in [wk for wk in self._waiting if wk[0] == spec.key]:  # D not here yet: pushed whole later
+                write = self._waiting[wk]
+                dst = self._check(write, spec.block_ids)
+                if isinstance(dst, str):
+                    continue  # the whole-request path reports it
+                del self._waiting[wk]
+                write.src_blocks, write.dst = spec.block_ids, dst
+                write.regions_left = set(range(len(self._layout.regions)))
+                write.deadline = now + self._cfg.transfer_timeout_s
+                self._layerwise[wk] = write
 
     def on_layer_saved(self, layer_name: str) -> None:
         """A layer's KV is in the cache: write its regions of every layer-wise push."""
@@ -282,13 +303,13 @@ class Sender:
 
     def end_layerwise(self) -> None:
         """After the forward pass: write what no layer hook covered; then wait for completion."""
-        for key in list(self._layerwise):
-            write = self._layerwise.pop(key)
+        for wk in list(self._layerwise):
+            write = self._layerwise.pop(wk)
             self._post_regions(write, tuple(write.regions_left))
             write.deadline = self._clock() + self._cfg.transfer_timeout_s
-            self._writing[key] = write
-            if self.leases.block_ids(key) is not None:
-                self.leases.hold(key)
+            self._writing[wk] = write
+            if self.leases.block_ids(wk[0]) is not None:
+                self.leases.hold(wk[0])
 
     def _post_regions(self, write: _Write, regions: Sequence[int]) -> None:
         """Post a write of these regions; a failure marks the write, which end_layerwise hands to _poll."""
@@ -299,19 +320,14 @@ class Sender:
         req = write.request
         assert write.dst is not None
         try:
-            plan = plan_blocks(
-                self._layout.select(todo),
-                write.src_blocks,
-                write.dst.select(todo),
-                req.block_ids,
-            )
+            plan = self._plan(write.src_blocks, write.dst, req, todo)
             write.runs += plan.num_runs
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, b""))
         except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             write.error = f"layer-wise write failed: {e}"
             write.regions_left.clear()
 
-    def _poll(self, key: str, write: _Write, now: float) -> None:
+    def _poll(self, wk: WriteKey, write: _Write, now: float) -> None:
         error = write.error
         for handle in list(write.handles):
             try:
@@ -330,8 +346,8 @@ class Sender:
         for handle in write.handles:  # failed or timed out: abort the rest
             self._transport.release(handle)
         write.handles.clear()
-        del self._writing[key]
-        self.leases.notice(key, now)  # written or failed: P's blocks are free either way
+        del self._writing[wk]
+        self._done(wk[0], write.request, now)  # written or failed: P's blocks are free either way
         if error:
             self._finish(write, error)
             return

@@ -203,6 +203,12 @@ class PushRequest(msgspec.Struct, frozen=True, tag="push"):
     consumer_agent: str
     consumer_request_id: str
     block_ids: list[int]
+    consumer_rank: int = 0  # D's tensor-parallel rank (P frees its blocks once every reader is written)
+    # The prompt tokens [first_token, first_token + num_tokens) D loads, block_ids[0] beginning at
+    # consumer_first_token: P maps them token by token where its block size differs from D's.
+    first_token: int = 0
+    num_tokens: int = 0
+    consumer_first_token: int = 0
 
 
 class ClaimItem(msgspec.Struct, frozen=True, array_like=True):

@@ -15,7 +15,7 @@ from typing import Protocol
 import msgspec
 
 from kv_connectors import sidechannel, wire
-from kv_connectors.config import ConnectorConfig, Staging, TransferMode
+from kv_connectors.config import ConnectorConfig, Staging
 from kv_connectors.counters import Phase
 from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError, TransportError
 from kv_connectors.layout import KVLayout, reader_count, source_ranks
@@ -324,12 +324,11 @@ class WorkerEngine:
         return [(rid if i == 0 else f"{rid}|p{p}", (p, p_tp)) for i, p in enumerate(ranks)]
 
     def _check_heterogeneous(self, spec: RecvSpec) -> None:
-        """Another TP size than P's: served by reading (the heads of each P rank), where it can be."""
+        """Another TP size than P's: each D rank loads the heads of each P rank holding some of its
+        own (reads them, or each such P rank writes them), where the layouts tell heads apart."""
         assert self._compat is not None and self._layout is not None
         p_tp = spec.remote_tp_size
         where = f"prefill tensor_parallel_size {p_tp}, decode {self._tp_size}"
-        if spec.report and (self._cfg.mode is TransferMode.PUSH or not spec.remote_block_ids):
-            raise TransferParamsError(f"{where}: different TP sizes are served in pull mode with P's block ids only (not push)")
         if self._layout.cells is None:
             raise TransferParamsError(f"{where}: this instance's KV layout does not tell heads apart (only the same TP size)")
         try:
