@@ -1,10 +1,10 @@
 """P and D with different --block-size (32 and 64 tokens, both directions) with real vLLM servers:
-D maps the prompt's tokens through both block tables (partial last blocks, D's own prefix-cache
-hits), over NIXL and over Mooncake (pull); push with different block sizes fails fast."""
+the prompt's tokens are mapped through both block tables (partial last blocks, D's own prefix-cache
+hits): D reading over NIXL, P writing over Mooncake, and P writing layer by layer in the
+transfer-id flow."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,11 +18,9 @@ from kvc_testing.cluster import (
     pd_server,
     prefill,
     stats,
-    transfer_id_params,
-    wait_until,
 )
 from kvc_testing.procs import VllmServer
-from tests.e2e.checks import MAX_TOKENS, assert_pd_matches_colocated, fresh_prompts
+from tests.e2e.checks import MAX_TOKENS, assert_pd_matches_colocated, assert_transfer_id_flow_matches, fresh_prompts
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 HANDSHAKE_S = 5.0
@@ -76,8 +74,9 @@ def test_decode_prefix_hit_loads_only_the_tokens_it_lacks(reference, prefill_ser
     assert d1.recv_blocks - d0.recv_blocks == 2, "D loaded blocks it had cached"
 
 
-def test_mooncake_pull_between_block_sizes(reference, tiny_model):
-    mc = {"mode": "pull", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10}
+def test_mooncake_push_between_block_sizes(reference, tiny_model):
+    """Mooncake's default mode: P (32-token blocks) writes the tokens D (64-token blocks) names."""
+    mc = {"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10}
     p = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mc-block32", max_model_len=MAX_MODEL_LEN)
     d = pd_server(
         tiny_model,
@@ -90,20 +89,13 @@ def test_mooncake_pull_between_block_sizes(reference, tiny_model):
     )
     with p, d, ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
+        p0 = stats(p)
         assert_pd_matches_colocated(reference, p, d, proxy, prompts=fresh_prompts(45))
+        assert stats(p).pushes - p0.pushes == len(fresh_prompts(45)), "P did not write the blocks"
 
 
-def test_push_between_block_sizes_fails_fast_and_decode_keeps_serving(reference, prefill_server, d64):
-    """The transfer-id flow is push only: P cannot write 32-token blocks into 64-token ones yet."""
-    prompt = fresh_prompts(46)[12]
-    p_params, d_params = transfer_id_params(prefill_server)
-    assert generate(prefill_server.url, prompt, 1, kv_transfer_params=p_params).status_code == 200
-    t0 = time.monotonic()
-    r = generate(d64.url, prompt, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
-    assert time.monotonic() - t0 < HANDSHAKE_S + 5
-    assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
-    d64.wait_log("different block sizes are served in pull mode", 10)
-    wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks D told it it will not load")
-    params = prefill(prefill_server.url, prompt)
-    got = output_ids(generate(d64.url, prompt, MAX_TOKENS, kv_transfer_params=params))
-    assert got == output_ids(generate(reference.url, prompt, MAX_TOKENS))
+def test_transfer_id_flow_between_block_sizes_with_layerwise_push(reference, p64, decode_server):
+    """P and D at once, D first: P (64-token blocks) writes each layer's tokens into D's
+    32-token blocks as soon as the layer is computed, without D ever knowing P's blocks."""
+    prompts = fresh_prompts(46)[-4:]
+    assert assert_transfer_id_flow_matches(reference, p64, decode_server, prompts, d_first=True) == len(prompts)

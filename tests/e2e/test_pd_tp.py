@@ -1,7 +1,8 @@
 """Tensor parallelism with real vLLM servers (the tiny model's 2 KV heads; a worker process per rank,
 one core each): P and D at TP 2, each decode rank loading its heads from the prefill rank of its
-number; P at TP 1 with D at TP 2 and the reverse (each D rank reads its heads from the P ranks
-holding them); a combination that cannot be served fails fast and D keeps serving."""
+number; P at TP 1 with D at TP 2 and the reverse (each D rank loads its heads from the P ranks
+holding them: reading them, or each P rank writing them); a combination that cannot be served
+fails fast and D keeps serving."""
 
 from __future__ import annotations
 
@@ -85,6 +86,23 @@ def test_prefill_tp2_to_decode_tp1_through_the_proxy(reference, tp_prefill, deco
     with ProxyProcess([tp_prefill.url], [decode_server.url]) as proxy:
         proxy.wait_ready()
         assert_pd_matches_colocated(reference, tp_prefill, decode_server, proxy, prompts=fresh_prompts(32), p_tp=TP, d_tp=1)
+
+
+def test_prefill_tp2_to_decode_tp1_push(reference, tiny_model, tp_prefill):
+    """Push: each P rank writes its head into D's one rank; P frees each prompt once written."""
+    d = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-tp1-push",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
+    )
+    with d, ProxyProcess([tp_prefill.url], [d.url]) as proxy:
+        proxy.wait_ready()
+        p0 = [stats(tp_prefill, rank=r).pushes for r in range(TP)]
+        prompts = fresh_prompts(34)
+        assert_pd_matches_colocated(reference, tp_prefill, d, proxy, prompts=prompts, p_tp=TP, d_tp=1)
+        assert [stats(tp_prefill, rank=r).pushes - p0[r] for r in range(TP)] == [len(prompts)] * TP
 
 
 def test_tp2_transfer_id_flow_with_layerwise_push(reference, tp_prefill, tp_decode):
