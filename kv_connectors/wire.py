@@ -173,6 +173,8 @@ class StatsReply(Counters, frozen=True, tag="stats_reply", kw_only=True):
     """The engine's counters (fields: `counters.Counters`, one definition) and whose they are."""
 
     engine_id: str
+    rank: int = 0  # the answering worker's tensor-parallel rank and size (any rank answers: a D
+    tp_size: int = 1  # that does not know P's TP size asks P's rank 0 this way)
 
 
 class ErrorCode(str, enum.Enum):

@@ -6,6 +6,7 @@ factory are injected, so every path runs in unit tests over the memory transport
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 import uuid
@@ -30,6 +31,7 @@ from kv_connectors.transports.staging import StagedTransport
 
 logger = logging.getLogger(__name__)
 _limited = RateLimitedLog(logger)
+_P_TP_TTL_S = 60.0  # how long a producer's TP size, asked once, is trusted (a restart may change it)
 
 TransportFactory = Callable[[str], Transport]
 
@@ -77,12 +79,17 @@ class WorkerEngine:
         self._receiver: Receiver | None = None
         self._sender: Sender | None = None
         self._renewer: Renewer | None = None
-        self._stats = wire.StatsReply(engine_id=cfg.engine_id)
+        self._stats = wire.StatsReply(engine_id=cfg.engine_id, rank=rank, tp_size=tp_size)
         self._local_metadata = b""
         self._hash = ""  # the compatibility hash, once registered
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
         self._staging: StagedTransport | None = None
         self._renewing: dict[str, list[str]] = {}  # request id -> its renewals (one per P rank read)
+        # P's TP size where the params do not state it (transfer-id flow), asked of P's rank 0 (a
+        # stats request any rank answers) and kept _P_TP_TTL_S: (host, base port) -> (size, when).
+        self._p_tp: dict[tuple[str, int], tuple[int, float]] = {}
+        self._probes: dict[tuple[str, int], tuple[concurrent.futures.Future[wire.Body], float]] = {}  # and deadline
+        self._deferred: list[tuple[str, RecvSpec]] = []  # loads waiting for their P's TP size
 
     @property
     def rank(self) -> int:
@@ -265,7 +272,7 @@ class WorkerEngine:
         assert self._renewer is not None
         for rid, (peer, key, p_tp) in meta.renew_start.items():
             try:
-                subs = self._sources(rid, p_tp)
+                subs = self._sources(rid, p_tp or self._known_tp(peer))
             except KVConnectorError:
                 continue  # a TP combination that cannot be served: its load fails when scheduled
             self._renewing[rid] = [sub for sub, _ in subs]
@@ -274,44 +281,95 @@ class WorkerEngine:
         for rid in meta.renew_stop:
             for sub in self._renewing.pop(rid, [rid]):
                 self._renewer.stop(sub)
-        now = self._clock()
-        deadline = now + self._cfg.handshake_timeout_s + self._cfg.transfer_timeout_s
         for rid, spec in meta.reqs_to_recv.items():
-            try:
-                sources = self._sources(rid, spec.remote_tp_size)
-                if len(sources) > 1 or sources[0][1][1] != self._tp_size:
-                    self._check_heterogeneous(spec)
-            except KVConnectorError as e:
-                failed = RecvTask(rid, ("", "", 0), "", [], [], now)
-                failed.fail(FailReason.BAD_PARAMS, str(e))
-                self._receiver.add(failed)
+            p_tp = spec.remote_tp_size or self._known_tp(spec.peer_key)
+            if p_tp is None and spec.report:
+                self._ask_tp(spec.peer_key)
+                self._deferred.append((rid, spec))
                 continue
-            for sub, (p_rank, p_tp) in sources:
-                self._receiver.add(
-                    RecvTask(
-                        request_id=sub,
-                        kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
-                        peer_key=self._rank_key(spec.peer_key, p_rank),
-                        remote_request_id=spec.remote_request_id,
-                        local_block_ids=list(spec.local_block_ids),
-                        remote_block_ids=list(spec.remote_block_ids),
-                        deadline=deadline,
-                        started=now,
-                        created=now,
-                        queued_s=spec.queued_s,
-                        remote_rank=p_rank,
-                        remote_tp_size=p_tp,
-                        group=rid if len(sources) > 1 else "",
-                        first_token=spec.first_token,
-                        num_tokens=spec.num_tokens,
-                        local_first_token=spec.local_first_token,
-                        remote_first_token=spec.remote_first_token,
-                    )
-                )
+            self._add_load(rid, spec, p_tp)
+        now = self._clock()
         for rid, reason in meta.reqs_failed.items():
             task = RecvTask(rid, ("", "", 0), "", [], [], now)
             task.fail(FailReason.BAD_PARAMS, reason)
             self._receiver.add(task)
+
+    def _known_tp(self, peer_key: tuple[str, str, int]) -> int | None:
+        known = self._p_tp.get(peer_key[1:])
+        return known[0] if known is not None and self._clock() - known[1] < _P_TP_TTL_S else None
+
+    def _ask_tp(self, peer_key: tuple[str, str, int]) -> None:
+        where = peer_key[1:]
+        if where not in self._probes:
+            timeout = self._cfg.handshake_timeout_s
+            self._probes[where] = (self._client.submit(*where, wire.StatsRequest(), "", timeout), self._clock() + timeout)
+
+    def _resolve_deferred(self) -> None:
+        """Loads waiting for their P's TP size: planned once P's rank 0 said it, failed if it did not."""
+        for where, (future, deadline) in list(self._probes.items()):
+            if not future.done():
+                if self._clock() > deadline:  # a frozen producer: its answer would come too late
+                    future.cancel()
+                    del self._probes[where]
+                    logger.error("the producer at %s:%d did not say its tensor-parallel size in time", *where)
+                continue
+            del self._probes[where]
+            try:
+                reply = future.result()
+                if not isinstance(reply, wire.StatsReply) or reply.tp_size < 1:
+                    raise KVConnectorError(f"unexpected answer {type(reply).__name__}")
+                self._p_tp[where] = (reply.tp_size, self._clock())
+            except Exception as e:  # boundary: the loads waiting on it fail, never the step
+                logger.error("could not ask the producer at %s:%d its tensor-parallel size: %s", *where, e)
+        waiting, self._deferred = self._deferred, []
+        for rid, spec in waiting:
+            where = spec.peer_key[1:]
+            if where in self._probes:
+                self._deferred.append((rid, spec))
+            elif (p_tp := self._known_tp(spec.peer_key)) is not None:
+                self._add_load(rid, spec, p_tp)
+            else:
+                failed = RecvTask(rid, ("", "", 0), "", [], [], self._clock())
+                failed.fail(FailReason.HANDSHAKE, f"the producer at {where[0]}:{where[1]} did not say its tensor-parallel size")
+                assert self._receiver is not None
+                self._receiver.add(failed)
+
+    def _add_load(self, rid: str, spec: RecvSpec, p_tp: int | None) -> None:
+        """One receive task per P rank holding this rank's heads."""
+        assert self._receiver is not None
+        now = self._clock()
+        deadline = now + self._cfg.handshake_timeout_s + self._cfg.transfer_timeout_s
+        try:
+            sources = self._sources(rid, p_tp)
+            if len(sources) > 1 or sources[0][1][1] != self._tp_size:
+                self._check_heterogeneous(p_tp)
+        except KVConnectorError as e:
+            failed = RecvTask(rid, ("", "", 0), "", [], [], now)
+            failed.fail(FailReason.BAD_PARAMS, str(e))
+            self._receiver.add(failed)
+            return
+        for sub, (p_rank, src_tp) in sources:
+            self._receiver.add(
+                RecvTask(
+                    request_id=sub,
+                    kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
+                    peer_key=self._rank_key(spec.peer_key, p_rank),
+                    remote_request_id=spec.remote_request_id,
+                    local_block_ids=list(spec.local_block_ids),
+                    remote_block_ids=list(spec.remote_block_ids),
+                    deadline=deadline,
+                    started=now,
+                    created=now,
+                    queued_s=spec.queued_s,
+                    remote_rank=p_rank,
+                    remote_tp_size=src_tp,
+                    group=rid if len(sources) > 1 else "",
+                    first_token=spec.first_token,
+                    num_tokens=spec.num_tokens,
+                    local_first_token=spec.local_first_token,
+                    remote_first_token=spec.remote_first_token,
+                )
+            )
 
     def _sources(self, rid: str, remote_tp_size: int | None) -> list[tuple[str, tuple[int, int]]]:
         """(task id, (P rank, P's TP size)) for each P rank this rank reads the request's heads from:
@@ -323,11 +381,10 @@ class WorkerEngine:
         ranks = source_ranks(self._compat.num_kv_heads, p_tp, self._tp_size, self._rank)
         return [(rid if i == 0 else f"{rid}|p{p}", (p, p_tp)) for i, p in enumerate(ranks)]
 
-    def _check_heterogeneous(self, spec: RecvSpec) -> None:
+    def _check_heterogeneous(self, p_tp: int | None) -> None:
         """Another TP size than P's: each D rank loads the heads of each P rank holding some of its
         own (reads them, or each such P rank writes them), where the layouts tell heads apart."""
         assert self._compat is not None and self._layout is not None
-        p_tp = spec.remote_tp_size
         where = f"prefill tensor_parallel_size {p_tp}, decode {self._tp_size}"
         if self._layout.cells is None:
             raise TransferParamsError(f"{where}: this instance's KV layout does not tell heads apart (only the same TP size)")
@@ -346,6 +403,8 @@ class WorkerEngine:
         """Advance both sides; notices meant for the sender (blocks D is done with) are kept
         until take_results."""
         assert self._receiver is not None and self._sender is not None and self._transport is not None
+        if self._deferred or self._probes:
+            self._resolve_deferred()
         self._sender.take_requests()  # connect consumers first: their messages may be in this batch
         for _agent, msg in self._transport.get_notifs():
             try:
@@ -414,6 +473,8 @@ class WorkerEngine:
         t, leases = self._receiver.totals, self._sender.leases
         return wire.StatsReply(
             engine_id=self._cfg.engine_id,
+            rank=self._rank,
+            tp_size=self._tp_size,
             held_requests=leases.held_requests,
             held_blocks=leases.held_blocks,
             completed_sends=leases.completed,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from kv_connectors.layout import source_ranks
+from kv_connectors.layout import reader_count, source_ranks
 from kvc_testing.cluster import (
     generate,
     make_prompts,
@@ -164,9 +164,13 @@ def transfer_id_generate(prefill_server, decode_server, prompt, max_tokens: int,
 _PUSH_REQUEST_S = 0.2
 
 
-def assert_transfer_id_flow_matches(reference, prefill_server, decode_server, prompts, d_first: bool = False):
+def assert_transfer_id_flow_matches(reference, prefill_server, decode_server, prompts, d_first: bool = False, p_tp=1, d_tp=1):
     """Greedy output equals colocated for every prompt sent the transfer-id way; D loaded each
-    prompt, P pushed each (layer-wise when D asked first) and freed every block."""
+    prompt, P pushed each (layer-wise when D asked first) and freed every block. p_tp, d_tp: the
+    TP sizes (D's rank 0 loads from each P rank holding its heads; P's rank 0 writes each D rank
+    reading it); returns P rank 0's layer-wise pushes per reading D rank."""
+    loads = len(source_ranks(TINY_KV_HEADS, p_tp, d_tp, 0))  # per prompt, D's rank 0
+    writes = reader_count(TINY_KV_HEADS, p_tp, d_tp, 0)  # per prompt, P's rank 0
     if d_first:  # D hand-shakes with P now, so that no prompt's push request waits for a handshake
         transfer_id_generate(prefill_server, decode_server, prompts[0], 1)
         wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the warm-up's blocks")
@@ -176,12 +180,13 @@ def assert_transfer_id_flow_matches(reference, prefill_server, decode_server, pr
         assert p_resp.status_code == 200, p_resp.text[:300]
         assert output_ids(d_resp) == output_ids(generate(reference.url, prompt, MAX_TOKENS)), len(prompt)
     d1 = stats(decode_server)
-    assert d1.recv_transfers - d0.recv_transfers == len(prompts), "D did not load every prompt from P"
+    assert d1.recv_transfers - d0.recv_transfers == len(prompts) * loads, "D did not load every prompt from P"
     assert d1.recv_failures == d0.recv_failures
     wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks it pushed")
     p1 = stats(prefill_server)
-    assert p1.pushes - p0.pushes == len(prompts) and p1.push_failures == p0.push_failures
+    assert p1.pushes - p0.pushes == len(prompts) * writes and p1.push_failures == p0.push_failures
     assert p1.expired_leases == p0.expired_leases
     if d_first:
-        assert p1.layerwise_pushes - p0.layerwise_pushes == len(prompts), "D asked first, yet P did not push layer-wise"
-    return p1.layerwise_pushes - p0.layerwise_pushes
+        layerwise = p1.layerwise_pushes - p0.layerwise_pushes
+        assert layerwise == len(prompts) * writes, "D asked first, yet P did not push layer-wise"
+    return (p1.layerwise_pushes - p0.layerwise_pushes) // writes

@@ -1,12 +1,11 @@
 """Tensor parallelism with real vLLM servers (the tiny model's 2 KV heads; a worker process per rank,
 one core each): P and D at TP 2, each decode rank loading its heads from the prefill rank of its
 number; P at TP 1 with D at TP 2 and the reverse (each D rank loads its heads from the P ranks
-holding them: reading them, or each P rank writing them); a combination that cannot be served
-fails fast and D keeps serving."""
+holding them: reading them, or each P rank writing them, also in the transfer-id flow, where D
+asks P's rank 0 for its TP size)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,17 +14,11 @@ from kvc_testing.cluster import (
     ENTRY_POINT_FORM,
     MODULE_FORM,
     ProxyProcess,
-    generate,
-    output_ids,
     pd_server,
-    prefill,
     stats,
-    transfer_id_params,
 )
 from kvc_testing.procs import VllmServer
 from tests.e2e.checks import (
-    MAX_TOKENS,
-    PROMPTS,
     assert_foreign_kv_changes_output,
     assert_pd_matches_colocated,
     assert_transfer_id_flow_matches,
@@ -121,24 +114,11 @@ def test_foreign_kv_from_a_tp1_prefill_changes_tp2_decode_output(reference, pert
         assert_foreign_kv_changes_output(reference, server, tp_decode)
 
 
-def test_unservable_tp_combination_fails_within_the_handshake_deadline_and_decode_keeps_serving(
-    reference, tp_prefill, decode_server
-):
-    """The transfer-id flow does not tell D P's TP size, and P's ranks would each have to push half
-    of D's heads: D at TP 1 and P at TP 2 fail the request (P's rank 0 answers as 0 of 2) within
-    the handshake deadline; D then serves the next request. Last here: P's ranks hold this
-    prompt's blocks until their lease ends (nothing told them otherwise)."""
-    prompt = fresh_prompts(33)[10]
-    p_params, d_params = transfer_id_params(tp_prefill)
-    assert generate(tp_prefill.url, prompt, 1, kv_transfer_params=p_params).status_code == 200
-    d0 = stats(decode_server)
-    t0 = time.monotonic()
-    r = generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
-    assert time.monotonic() - t0 < HANDSHAKE_S + 5
-    assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text[:300]
-    decode_server.wait_log("expected the prefill's rank 0 of 1", 10)
-    assert stats(decode_server).recv_failures == d0.recv_failures + 1
-
-    params = prefill(tp_prefill.url, PROMPTS[3])  # the params flow states P's TP size: served
-    got = output_ids(generate(decode_server.url, PROMPTS[3], MAX_TOKENS, kv_transfer_params=params))
-    assert got == output_ids(generate(reference.url, PROMPTS[3], MAX_TOKENS))
+def test_transfer_id_flow_between_tp_sizes_with_layerwise_push(reference, prefill_server, tp_decode, tp_prefill, decode_server):
+    """P and D at once, D first, P's TP size in no params: each D rank asks P's rank 0 for it, then
+    each P rank writes its heads, layer by layer, into every D rank holding them (P TP 1 into D
+    TP 2, and P TP 2 into D TP 1)."""
+    prompts = fresh_prompts(35)[-3:]
+    assert assert_transfer_id_flow_matches(reference, prefill_server, tp_decode, prompts, d_first=True, d_tp=TP) == len(prompts)
+    prompts = fresh_prompts(36)[-3:]
+    assert assert_transfer_id_flow_matches(reference, tp_prefill, decode_server, prompts, d_first=True, p_tp=TP) == len(prompts)

@@ -110,7 +110,7 @@ def test_refusal_names_both_sides_tp_sizes(caplog):
         c.run(steps=3)
     assert c.d.failed_recving == {"d1"}
     text = caplog.text
-    assert "tensor_parallel_size 1" in text and "rank 0 of 2" in text, text
+    assert "tensor_parallel_size 1, decode 2" in text, text  # D asked P's TP size: no params state it
 
 
 def test_producer_params_carry_the_tp_size_and_decode_reads_it():
@@ -204,3 +204,51 @@ def test_releases_reach_every_prefill_rank_read_from():
     _run(c, [c.d, c.p, p1])
     assert c.p.finished_sending == {"r1"} and p1.finished_sending == {"r1"}
     assert not c.d.finished_recving
+
+
+def _transfer_id_recv(ds: list[Node]) -> None:
+    """The transfer-id flow: D knows P's side channel and the transfer id, not P's blocks or TP size."""
+    spec = RecvSpec(("", "127.0.0.1", P_PORT), "t1", D_BLOCKS, (), first_token=0, num_tokens=len(D_BLOCKS) * 4)
+    for d in ds:
+        d.step(StepMetadata(reqs_to_recv={"d1": spec}))
+
+
+def test_transfer_id_flow_asks_ps_tp_size_then_each_p_rank_writes_its_heads():
+    """P at TP 1, D at TP 2: each D rank asks P's rank 0 its TP size (once per P), then P writes
+    each D rank its head; P frees the blocks once both are written."""
+    c = Cluster(d_tp=2, heads=2)
+    d1 = c.add_rank("kv_consumer", 1, 2, fill=-1.0)
+    c.p.step(StepMetadata(reqs_to_send={"r1": SendSpec(P_BLOCKS, "t1")}))
+    _transfer_id_recv([c.d, d1])
+    _run(c, [c.d, d1, c.p])
+    for d, head in ((c.d, 0), (d1, 1)):
+        assert d.recv_reports == ["d1"] and not d.failed_recving
+        for pb, db in zip(P_BLOCKS, D_BLOCKS):
+            assert np.array_equal(_heads(d, db, head)[head], _heads(c.p, pb, 0)[head])
+    assert c.p.finished_sending == {"r1"} and c.p.engine.stats.pushes == 2
+
+
+def test_transfer_id_flow_from_a_tp2_prefill_into_a_tp1_decode():
+    c = Cluster(p_tp=2, heads=2)
+    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
+    p1.kv += 100
+    for p in (c.p, p1):
+        p.step(StepMetadata(reqs_to_send={"r1": SendSpec(P_BLOCKS, "t1")}))
+    _transfer_id_recv([c.d])
+    _run(c, [c.d, c.p, p1])
+    assert c.d.recv_reports == ["d1"] and not c.d.failed_recving
+    for pb, db in zip(P_BLOCKS, D_BLOCKS):
+        got = _heads(c.d, db, 0)
+        assert np.array_equal(got[0], _heads(c.p, pb, 0)[0]) and np.array_equal(got[1], _heads(p1, pb, 1)[1])
+    assert c.p.finished_sending == {"r1"} and p1.finished_sending == {"r1"}
+
+
+def test_a_producer_that_does_not_say_its_tp_size_fails_the_load_at_the_handshake_deadline():
+    c = Cluster(d_tp=2, heads=2)
+    c.fabric.frozen.add(f"127.0.0.1:{P_PORT}")
+    _transfer_id_recv([c.d])
+    c.run(steps=3)
+    assert not c.d.recv_reports
+    c.clock.advance(2.5)  # D's handshake deadline is 2 s
+    c.run(steps=2, nodes=(c.d,))
+    assert c.d.failed_recving == {"d1"}
