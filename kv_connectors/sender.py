@@ -246,10 +246,13 @@ class Sender:
         mine, theirs = BlockTable(own), BlockTable(req.block_ids, req.consumer_first_token)
         return plan_cells(src, mine, to, theirs, req.first_token, req.num_tokens)
 
-    def _done(self, key: str, req: wire.PushRequest, now: float) -> None:
-        """One consumer rank is written (or failed): the lease ends once every reading rank is."""
-        readers = self._readers.get(req.consumer_engine_id, 1)
-        self.leases.notice(key, now, _reader(req.consumer_engine_id, req.consumer_rank), req.consumer_engine_id, readers)
+    def _reader_done(self, key: str, engine: str, rank: int, now: float) -> None:
+        """A consumer rank is done with the lease under key (read it, was written, or failed; engine ""
+        when unknown): the lease ends once every rank of that consumer reading from us is."""
+        if not engine:
+            self.leases.notice(key, now)
+            return
+        self.leases.notice(key, now, _reader(engine, rank), engine, self._readers.get(engine, 1))
 
     def _post(self, wk: WriteKey, write: _Write) -> None:
         key, req = wk[0], write.request
@@ -265,7 +268,7 @@ class Sender:
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
         except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             self._finish(write, f"write failed: {e}")
-            self._done(key, req, self._clock())
+            self._reader_done(key, req.consumer_engine_id, req.consumer_rank, self._clock())
             return
         self.leases.hold(key)
         write.deadline = self._clock() + self._cfg.transfer_timeout_s
@@ -347,7 +350,8 @@ class Sender:
             self._transport.release(handle)
         write.handles.clear()
         del self._writing[wk]
-        self._done(wk[0], write.request, now)  # written or failed: P's blocks are free either way
+        req = write.request
+        self._reader_done(wk[0], req.consumer_engine_id, req.consumer_rank, now)  # written or failed: free either way
         if error:
             self._finish(write, error)
             return
@@ -374,9 +378,7 @@ class Sender:
         """Request ids whose blocks can be freed: read (D's notices), written, or lease expired."""
         now = self._clock()
         for notice in notices:
-            engine = notice.engine_id or None
-            reader = None if engine is None else _reader(engine, notice.rank)
-            self.leases.notice(notice.request_id, now, reader, engine, self._readers.get(notice.engine_id, 1))
+            self._reader_done(notice.request_id, notice.engine_id, notice.rank, now)
         done, expired = self.leases.take_finished(now)
         for rid in expired:
             logger.warning("request %s: decode side never read its KV; freed after %.0f s lease", rid, self._cfg.lease_s)

@@ -288,11 +288,15 @@ class WorkerEngine:
                 self._deferred.append((rid, spec))
                 continue
             self._add_load(rid, spec, p_tp)
-        now = self._clock()
         for rid, reason in meta.reqs_failed.items():
-            task = RecvTask(rid, ("", "", 0), "", [], [], now)
-            task.fail(FailReason.BAD_PARAMS, reason)
-            self._receiver.add(task)
+            self._fail_load(rid, FailReason.BAD_PARAMS, reason)
+
+    def _fail_load(self, rid: str, reason: FailReason, message: str) -> None:
+        """A load that fails before it reaches any producer: reported failed at the next results."""
+        assert self._receiver is not None
+        task = RecvTask(rid, ("", "", 0), "", [], [], self._clock())
+        task.fail(reason, message)
+        self._receiver.add(task)
 
     def _known_tp(self, peer_key: tuple[str, str, int]) -> int | None:
         known = self._p_tp.get(peer_key[1:])
@@ -329,10 +333,8 @@ class WorkerEngine:
             elif (p_tp := self._known_tp(spec.peer_key)) is not None:
                 self._add_load(rid, spec, p_tp)
             else:
-                failed = RecvTask(rid, ("", "", 0), "", [], [], self._clock())
-                failed.fail(FailReason.HANDSHAKE, f"the producer at {where[0]}:{where[1]} did not say its tensor-parallel size")
-                assert self._receiver is not None
-                self._receiver.add(failed)
+                why = f"the producer at {where[0]}:{where[1]} did not say its tensor-parallel size"
+                self._fail_load(rid, FailReason.HANDSHAKE, why)
 
     def _add_load(self, rid: str, spec: RecvSpec, p_tp: int | None) -> None:
         """One receive task per P rank holding this rank's heads."""
@@ -344,9 +346,7 @@ class WorkerEngine:
             if len(sources) > 1 or sources[0][1][1] != self._tp_size:
                 self._check_heterogeneous(p_tp)
         except KVConnectorError as e:
-            failed = RecvTask(rid, ("", "", 0), "", [], [], now)
-            failed.fail(FailReason.BAD_PARAMS, str(e))
-            self._receiver.add(failed)
+            self._fail_load(rid, FailReason.BAD_PARAMS, str(e))
             return
         for sub, (p_rank, src_tp) in sources:
             self._receiver.add(

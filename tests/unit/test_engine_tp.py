@@ -135,6 +135,27 @@ def _params_recv(ds: list[Node], rid: str, remote_rid: str, p_tp: int, report: b
         d.step(StepMetadata(reqs_to_recv={rid: spec}))
 
 
+def _p_tp2(d_extra: dict | None = None, key: str | None = None) -> tuple[Cluster, Node]:
+    """P at TP 2 (one head per rank; rank 1's recognisable: +100) and D at TP 1; with key, both P
+    ranks hold prefill r1's blocks under it."""
+    c = Cluster(p_tp=2, heads=2, d_extra=d_extra)
+    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
+    p1.kv += 100
+    if key is not None:
+        for p in (c.p, p1):
+            p.step(StepMetadata(reqs_to_send={"r1": SendSpec(P_BLOCKS, key)}))
+    return c, p1
+
+
+def _assert_heads_from_both_p_ranks(c: Cluster, p1: Node) -> None:
+    """D (TP 1) holds head 0 from P rank 0 and head 1 from P rank 1, reported once; both P ranks freed."""
+    assert c.d.recv_reports == ["d1"] and not c.d.failed_recving
+    for pb, db in zip(P_BLOCKS, D_BLOCKS):
+        got = _heads(c.d, db, 0)
+        assert np.array_equal(got[0], _heads(c.p, pb, 0)[0]) and np.array_equal(got[1], _heads(p1, pb, 1)[1])
+    assert c.p.finished_sending == {"r1"} and p1.finished_sending == {"r1"}
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_prefill_tp1_to_decode_tp2_each_decode_rank_loads_its_head_and_p_frees_after_both(mode: str):
     c = Cluster(d_tp=2, heads=2, d_extra={"mode": mode})
@@ -156,26 +177,17 @@ def test_prefill_tp1_to_decode_tp2_each_decode_rank_loads_its_head_and_p_frees_a
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_prefill_tp2_to_decode_tp1_loads_each_head_from_its_prefill_rank(mode: str):
-    c = Cluster(p_tp=2, heads=2, d_extra={"mode": mode})
-    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
-    p1.kv += 100  # P rank 1's head is recognisable
-    for p in (c.p, p1):
-        p.step(StepMetadata(reqs_to_send={"r1": SendSpec(P_BLOCKS, "r1")}))
+    c, p1 = _p_tp2({"mode": mode}, key="r1")
     _params_recv([c.d], "d1", "r1", p_tp=2)
     _run(c, [c.d, c.p, p1])
-    assert c.d.recv_reports == ["d1"] and not c.d.failed_recving
-    for pb, db in zip(P_BLOCKS, D_BLOCKS):
-        got = _heads(c.d, db, 0)
-        assert np.array_equal(got[0], _heads(c.p, pb, 0)[0]) and np.array_equal(got[1], _heads(p1, pb, 1)[1])
-    assert c.p.finished_sending == {"r1"} and p1.finished_sending == {"r1"}
+    _assert_heads_from_both_p_ranks(c, p1)
     assert c.d.engine.stats.recv_transfers == 2  # one load per prefill rank
 
 
 def test_one_failed_prefill_rank_fails_the_request_once_after_every_read_ended():
     """P rank 0 serves at once; P rank 1 never learns of the request (its claim stays pending until
     D gives up): D reports the request once, failed, when the second read ends."""
-    c = Cluster(p_tp=2, heads=2)
-    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
+    c, p1 = _p_tp2()
     c.prefill_done("r1", P_BLOCKS)
     _params_recv([c.d], "d1", "r1", p_tp=2)
     _run(c, [c.d, c.p, p1])
@@ -196,10 +208,7 @@ def test_a_prefill_rank_nobody_would_read_is_refused(caplog):
 
 
 def test_releases_reach_every_prefill_rank_read_from():
-    c = Cluster(p_tp=2, heads=2)
-    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
-    for p in (c.p, p1):
-        p.step(StepMetadata(reqs_to_send={"r1": SendSpec(P_BLOCKS, "r1")}))
+    c, p1 = _p_tp2(key="r1")
     _params_recv([c.d], "d1", "r1", p_tp=2, report=False)
     _run(c, [c.d, c.p, p1])
     assert c.p.finished_sending == {"r1"} and p1.finished_sending == {"r1"}
@@ -229,18 +238,10 @@ def test_transfer_id_flow_asks_ps_tp_size_then_each_p_rank_writes_its_heads():
 
 
 def test_transfer_id_flow_from_a_tp2_prefill_into_a_tp1_decode():
-    c = Cluster(p_tp=2, heads=2)
-    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
-    p1.kv += 100
-    for p in (c.p, p1):
-        p.step(StepMetadata(reqs_to_send={"r1": SendSpec(P_BLOCKS, "t1")}))
+    c, p1 = _p_tp2(key="t1")
     _transfer_id_recv([c.d])
     _run(c, [c.d, c.p, p1])
-    assert c.d.recv_reports == ["d1"] and not c.d.failed_recving
-    for pb, db in zip(P_BLOCKS, D_BLOCKS):
-        got = _heads(c.d, db, 0)
-        assert np.array_equal(got[0], _heads(c.p, pb, 0)[0]) and np.array_equal(got[1], _heads(p1, pb, 1)[1])
-    assert c.p.finished_sending == {"r1"} and p1.finished_sending == {"r1"}
+    _assert_heads_from_both_p_ranks(c, p1)
 
 
 def test_a_producer_that_does_not_say_its_tp_size_fails_the_load_at_the_handshake_deadline():
