@@ -253,3 +253,23 @@ def test_a_producer_that_does_not_say_its_tp_size_fails_the_load_at_the_handshak
     c.clock.advance(2.5)  # D's handshake deadline is 2 s
     c.run(steps=2, nodes=(c.d,))
     assert c.d.failed_recving == {"d1"}
+
+
+def test_an_absurd_tp_size_in_the_params_fails_the_request_at_once(caplog):
+    """A request naming a TP size no fleet runs (10**6) is refused before anything is sized by it
+    (reader counts, P ranks to contact): one such request must not stall or exhaust D."""
+    c = Cluster(d_tp=2, heads=2)
+    with caplog.at_level("ERROR"):
+        _params_recv([c.d], "d1", "r1", p_tp=10**6)
+    assert c.d.failed_recving == {"d1"}
+    assert "tensor_parallel_size 1000000 is outside 1..4096" in caplog.text
+
+
+def test_a_handshake_naming_an_absurd_tp_size_is_refused_at_once():
+    from kv_connectors import wire
+
+    c = Cluster(heads=2)
+    layout = wire.LayoutMsg.from_layout(c.d.engine._layout)
+    body = wire.HandshakeRequest("X", 0, c.d.engine._compat, agent_name="x", layout=layout, tp_size=10**6)
+    reply = c.p.engine._handle(body)
+    assert isinstance(reply, wire.ErrorReply) and "outside 1..4096" in reply.message
