@@ -27,7 +27,14 @@ from tests.e2e.checks import (
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 TP = 2
-HANDSHAKE_S = 5.0
+# D's deadlines for P's answers: generous, since every test here checks output, not latency. P's
+# processes share one core (below), and its side-channel thread answered a push request only after
+# more than 5 s once on a fresh-clone run while P's two workers spun.
+HANDSHAKE_S = 30.0
+TRANSFER_S = 30.0
+# The proxy's health checks likewise: P answers /health late while its workers spin (it was evicted
+# as unhealthy once with the default 1 s timeout).
+_PROXY_ARGS = ["--health-timeout-s", "10", "--unhealthy-after", "5"]
 # Each TP server on a core of its own, both ranks on it. vLLM's TP workers spin (sched_yield) for a
 # second after every step, and an engine steps every millisecond while it holds blocks for a peer:
 # P's three processes then starve D's API server on 2 shared cores (measured: D saw its request only
@@ -51,7 +58,7 @@ def tp_decode(tiny_model) -> Iterator[VllmServer]:
         name="D-tp2",
         max_model_len=MAX_MODEL_LEN,
         tp=TP,
-        extra_config={"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
+        extra_config={"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": TRANSFER_S},
         **_CORE[1],
     )
     with server:
@@ -61,7 +68,7 @@ def tp_decode(tiny_model) -> Iterator[VllmServer]:
 def test_tp2_pull_through_the_proxy_equals_colocated(reference, tp_prefill, tp_decode):
     """Both ranks of D load every prompt from P's rank of their number; output equals a colocated
     TP 1 server token for token (a rank reading the other rank's heads would change it)."""
-    with ProxyProcess([tp_prefill.url], [tp_decode.url]) as proxy:
+    with ProxyProcess([tp_prefill.url], [tp_decode.url], extra_args=_PROXY_ARGS) as proxy:
         proxy.wait_ready()
         assert_pd_matches_colocated(reference, tp_prefill, tp_decode, proxy, p_tp=TP, d_tp=TP)
 
@@ -69,14 +76,14 @@ def test_tp2_pull_through_the_proxy_equals_colocated(reference, tp_prefill, tp_d
 def test_prefill_tp1_to_decode_tp2_through_the_proxy(reference, prefill_server, tp_decode):
     """Each D rank reads its one head out of P's blocks (which hold both): P frees a prompt only
     once both D ranks are done with it."""
-    with ProxyProcess([prefill_server.url], [tp_decode.url]) as proxy:
+    with ProxyProcess([prefill_server.url], [tp_decode.url], extra_args=_PROXY_ARGS) as proxy:
         proxy.wait_ready()
         assert_pd_matches_colocated(reference, prefill_server, tp_decode, proxy, prompts=fresh_prompts(31), p_tp=1, d_tp=TP)
 
 
 def test_prefill_tp2_to_decode_tp1_through_the_proxy(reference, tp_prefill, decode_server):
     """D's one rank reads head 0 from P rank 0 and head 1 from P rank 1."""
-    with ProxyProcess([tp_prefill.url], [decode_server.url]) as proxy:
+    with ProxyProcess([tp_prefill.url], [decode_server.url], extra_args=_PROXY_ARGS) as proxy:
         proxy.wait_ready()
         assert_pd_matches_colocated(reference, tp_prefill, decode_server, proxy, prompts=fresh_prompts(32), p_tp=TP, d_tp=1)
 
@@ -88,9 +95,9 @@ def test_prefill_tp2_to_decode_tp1_push(reference, tiny_model, tp_prefill):
         "kv_consumer",
         name="D-tp1-push",
         max_model_len=MAX_MODEL_LEN,
-        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
+        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": TRANSFER_S},
     )
-    with d, ProxyProcess([tp_prefill.url], [d.url]) as proxy:
+    with d, ProxyProcess([tp_prefill.url], [d.url], extra_args=_PROXY_ARGS) as proxy:
         proxy.wait_ready()
         p0 = [stats(tp_prefill, rank=r).pushes for r in range(TP)]
         prompts = fresh_prompts(34)
