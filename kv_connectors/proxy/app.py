@@ -120,9 +120,10 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> JSONResponse:
-    """200 while at least one P and one D are healthy, else 503; each backend's state either way."""
+    """200 while the proxy can serve (a healthy D, and a healthy P unless D may compute prompts itself,
+    --decode-only-fallback), else 503; each backend's state either way."""
     ctx: ProxyContext = request.app.state.proxy
-    ready = ctx.prefill.any_healthy() and ctx.decode.any_healthy()
+    ready = ctx.decode.any_healthy() and (ctx.prefill.any_healthy() or ctx.config.decode_only_fallback)
     body: dict[str, Any] = {
         "status": "ok" if ready else "unavailable",
         "flow": ctx.flow.value,

@@ -79,6 +79,11 @@ class BackendPool:
     def has_candidate(self, exclude: Collection[Backend] = ()) -> bool:
         return any(b.healthy and b not in exclude for b in self.backends)
 
+    def peek(self) -> Backend | None:
+        """The backend pick() would choose by round robin, without choosing it."""
+        n = len(self.backends)
+        return next((b for i in range(n) if (b := self.backends[(self._cursor + i) % n]).healthy), None)
+
     def pick(self, exclude: Collection[Backend] = ()) -> Backend | None:
         """A healthy backend not in `exclude`, by policy; None when there is none."""
         n = len(self.backends)

@@ -145,6 +145,11 @@ def decode_body_params(
     return d_body
 
 
+def decode_only_body(body: dict[str, Any]) -> dict[str, Any]:
+    """D computing the prompt itself: the client's body, without any kv_transfer_params of the client's."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
 def transfer_prefill_params(transfer_id: str) -> dict[str, Any]:
     return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
 

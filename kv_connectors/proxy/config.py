@@ -66,6 +66,8 @@ class ProxyConfig:
     max_retries: int = 2
     max_body_bytes: int = 8 << 20
     log_level: str = "info"
+    decode_only_fallback: bool = True
+    local_prefill_below: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -90,6 +92,8 @@ class ProxyConfig:
             raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.local_prefill_below < 0:
+            raise ConfigError(f"--local-prefill-below must be >= 0, got {self.local_prefill_below}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
 
@@ -184,6 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--unhealthy-after", type=int, default=2, help="consecutive failed checks that evict a backend")
     add("--max-retries", type=int, default=2, help="retries of one request on other backends")
     add("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    add(
+        "--decode-only-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when no prefill server is left (none healthy, or each failed this request), D computes the prompt "
+        "itself instead of the request failing",
+    )
+    add(
+        "--local-prefill-below",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompts of fewer than N tokens go to D alone: no prefill server, no transfer (0: never). Text "
+        "prompts are counted with a decode server's /tokenize when their length does not decide it",
+    )
     add("--log-level", default="info", choices=list(LOG_LEVELS))
     return parser
 
@@ -209,6 +228,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
             max_retries=args.max_retries,
             max_body_bytes=args.max_body_bytes,
             log_level=args.log_level,
+            decode_only_fallback=args.decode_only_fallback,
+            local_prefill_below=args.local_prefill_below,
         )
     except ConfigError as exc:
         parser.error(str(exc))

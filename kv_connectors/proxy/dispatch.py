@@ -8,11 +8,11 @@ from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 
-from . import bodies
+from . import bodies, tokens
 from .context import ProxyContext
 from .flows import Answer, JsonAnswer, PairRunner, SubRequest, cancel_task
 from .relay import RelayResponse
-from .trace import Trace
+from .trace import Mode, Trace
 from .upstream import OpenStream
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -50,12 +50,19 @@ def sub_requests(route: str, body: dict[str, Any], headers: dict[str, str]) -> l
     return [SubRequest(i, part, {**headers, REQUEST_ID_HEADER: f"{rid}-{i}"}) for i, part in enumerate(parts)]
 
 
+async def _run(ctx: ProxyContext, route: str, runner: PairRunner, sub: SubRequest) -> Answer:
+    """One prompt: D alone when it is shorter than --local-prefill-below, else P and D."""
+    limit = ctx.config.local_prefill_below
+    local = limit > 0 and await tokens.is_shorter(ctx, route, sub.body, limit)
+    return await runner.run(sub, Mode.LOCAL if local else Mode.DISAGGREGATED)
+
+
 async def dispatch(ctx: ProxyContext, route: str, body: dict[str, Any], headers: dict[str, str], trace: Trace) -> Response:
     """The client's response: D's answer as is (one prompt), merged answers (several), or a relayed stream."""
     runner = PairRunner(ctx, route, trace, bodies.is_stream(body))
     subs = sub_requests(route, body, headers)
     try:
-        answers: list[Answer] = await gather_or_cancel([runner.run(s) for s in subs])
+        answers: list[Answer] = await gather_or_cancel([_run(ctx, route, runner, s) for s in subs])
     except BaseException:
         await runner.settle()
         raise

@@ -68,6 +68,7 @@ class FailureKind(str, enum.Enum):
     TIMEOUT = "timeout"
     SERVER_ERROR = "server_error"  # HTTP 5xx
     BAD_ANSWER = "bad_answer"  # 2xx we cannot use (not JSON, empty stream)
+    STREAM_ERROR = "stream_error"  # a 200 stream whose first event is an error (vLLM: a failed KV load)
 
 
 class UpstreamFailure(Exception):

@@ -15,7 +15,7 @@ from .backends import Backend
 from .config import Flow, Role
 from .context import ProxyContext
 from .errors import FailureKind, UpstreamFailure, no_backend
-from .trace import Trace
+from .trace import Mode, Trace
 from .upstream import OpenStream, answer_json, open_stream, post_json
 
 logger = logging.getLogger("kv_connectors.proxy")
@@ -69,9 +69,10 @@ class _Budget:
     def __init__(self, ctx: ProxyContext, trace: Trace) -> None:
         self.ctx, self.trace, self.left = ctx, trace, ctx.config.max_retries
 
-    def spend(self, failure: UpstreamFailure, tried: Collection[Backend]) -> None:
-        """Count a retry, or raise when none is left or no other healthy backend of that role is."""
-        if self.left <= 0 or not self.ctx.pool(failure.role).has_candidate(tried):
+    def spend(self, failure: UpstreamFailure, tried: Collection[Backend], fallback: bool = False) -> None:
+        """Count a retry, or raise when none is left, or when no other healthy backend of that role is and
+        `fallback` (a decode-only retry after P failed) is not allowed."""
+        if self.left <= 0 or not (fallback or self.ctx.pool(failure.role).has_candidate(tried)):
             raise failure.to_proxy_error() from failure
         self.left -= 1
         self.trace.retries += 1
@@ -86,13 +87,17 @@ class PairRunner:
         self.ctx, self.route, self.trace, self.stream = ctx, route, trace, stream
         self._background: list[asyncio.Task[Any]] = []  # P requests still running after D answered
 
-    async def run(self, sub: SubRequest) -> Answer:
+    async def run(self, sub: SubRequest, mode: Mode = Mode.DISAGGREGATED) -> Answer:
+        """D's answer for one prompt: with P's KV (`mode` DISAGGREGATED), or computed by D alone (LOCAL)."""
         tried: dict[Role, set[Backend]] = {Role.PREFILL: set(), Role.DECODE: set()}
         last: dict[Role, UpstreamFailure] = {}
         budget = _Budget(self.ctx, self.trace)
-        for role in (Role.PREFILL, Role.DECODE):  # before any work: a prefill no D can use holds P's blocks
-            if not self.ctx.pool(role).any_healthy():
-                raise no_backend(role)
+        if not self.ctx.decode.any_healthy():  # before any work: a prefill no D can use holds P's blocks
+            raise no_backend(Role.DECODE)
+        if mode is Mode.LOCAL:
+            return await self._decode_only(sub, tried, last, budget, Mode.LOCAL)
+        if not self.ctx.prefill.any_healthy() and not self._fallback:
+            raise no_backend(Role.PREFILL)
         if self.ctx.flow is Flow.TRANSFER_ID:
             while True:
                 answer = await self._transfer_pair(sub, tried, last, budget)
@@ -118,6 +123,16 @@ class PairRunner:
             raise no_backend(role)
         self.trace.chose(role, backend.url)
         return backend
+
+    def _pick_prefill(self, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure]) -> Backend | None:
+        """A P, or None when there is none left and D may compute the prompt itself (the fallback)."""
+        if self._fallback and not self.ctx.prefill.has_candidate(tried[Role.PREFILL]):
+            return None
+        return self._pick(Role.PREFILL, tried, last)
+
+    @property
+    def _fallback(self) -> bool:
+        return self.ctx.config.decode_only_fallback
 
     def _failed(
         self, backend: Backend, failure: UpstreamFailure, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure]
@@ -154,12 +169,50 @@ class PairRunner:
         tried: dict[Role, set[Backend]],
         last: dict[Role, UpstreamFailure],
         budget: _Budget,
+        p: Backend | None = None,
     ) -> None:
-        """A D failure before any byte reached the client: spend a retry (a slow D is not retried)."""
+        """A D failure before any byte reached the client: spend a retry (a slow D is not retried).
+
+        D answered with an error (HTTP 5xx, or an error event before its first token: vLLM's answer to a
+        failed KV load): the KV it was handed is as likely the cause as D itself, so P is not used again
+        for this prompt, and D is, when no other D is left."""
         self._failed(d, failure, tried, last)
         if failure.kind is FailureKind.TIMEOUT:
             raise failure.to_proxy_error() from failure
+        if failure.kind in (FailureKind.SERVER_ERROR, FailureKind.STREAM_ERROR):
+            if p is not None:
+                tried[Role.PREFILL].add(p)
+            if not self.ctx.decode.has_candidate(tried[Role.DECODE]):
+                tried[Role.DECODE].discard(d)
         budget.spend(failure, tried[failure.role])
+
+    def _prefill_failed_now(
+        self,
+        p: Backend,
+        failure: UpstreamFailure,
+        tried: dict[Role, set[Backend]],
+        last: dict[Role, UpstreamFailure],
+        budget: _Budget,
+    ) -> None:
+        self._failed(p, failure, tried, last)
+        budget.spend(failure, tried[failure.role], fallback=self._fallback)
+
+    # -- D alone: a short prompt (LOCAL), or no P left (FALLBACK) --
+
+    async def _decode_only(
+        self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure], budget: _Budget, mode: Mode
+    ) -> Answer:
+        self.trace.mode = mode
+        self.ctx.metrics.decode_only.labels(mode.value).inc()
+        if mode is Mode.FALLBACK:
+            logger.warning("request %s: no prefill server left; decode computes the prompt", self.trace.request_id)
+        d_body = bodies.decode_only_body(sub.body)
+        while True:
+            d = self._pick(Role.DECODE, tried, last)
+            try:
+                return await self._decode(sub, d, d_body)
+            except UpstreamFailure as failure:
+                self._decode_failed(d, failure, tried, last, budget)
 
     # -- params flow (NIXL): P answers with kv_transfer_params, D gets them --
 
@@ -167,12 +220,13 @@ class PairRunner:
         self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure], budget: _Budget
     ) -> Answer:
         while True:
-            p = self._pick(Role.PREFILL, tried, last)
+            p = self._pick_prefill(tried, last)
+            if p is None:
+                return await self._decode_only(sub, tried, last, budget, Mode.FALLBACK)
             try:
                 kv_params, token_ids = await self._prefill_params(sub, p)
             except UpstreamFailure as failure:
-                self._failed(p, failure, tried, last)
-                budget.spend(failure, tried[failure.role])
+                self._prefill_failed_now(p, failure, tried, last, budget)
                 continue
             d_body = bodies.decode_body_params(self.route, sub.body, kv_params, token_ids)
             while True:
@@ -180,7 +234,7 @@ class PairRunner:
                 try:
                     return await self._decode(sub, d, d_body)
                 except UpstreamFailure as failure:
-                    self._decode_failed(d, failure, tried, last, budget)
+                    self._decode_failed(d, failure, tried, last, budget, p)
                     if failure.kind is not FailureKind.NOT_REACHED:
                         break  # D may have read (and released) P's blocks: prefill again
                     # never reached D: P still holds the blocks under its lease, same params on another D
@@ -210,7 +264,9 @@ class PairRunner:
         self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure], budget: _Budget
     ) -> Answer | None:
         """One P with a fresh transfer id, and D (another D only if D was never reached); None: new pair."""
-        p = self._pick(Role.PREFILL, tried, last)
+        p = self._pick_prefill(tried, last)
+        if p is None:
+            return await self._decode_only(sub, tried, last, budget, Mode.FALLBACK)
         d = self._pick(Role.DECODE, tried, last)
         assert p.side_channel is not None  # ProxyConfig guarantees it for this flow
         transfer_id = "kvc-" + uuid.uuid4().hex
@@ -235,7 +291,7 @@ class PairRunner:
                 failure = d_task.exception()
                 if not isinstance(failure, UpstreamFailure):
                     raise failure
-                self._decode_failed(d, failure, tried, last, budget)
+                self._decode_failed(d, failure, tried, last, budget, p)
                 if failure.kind is not FailureKind.NOT_REACHED:
                     return None
                 d = self._pick(Role.DECODE, tried, last)  # same P and transfer id: P waits for a D
@@ -256,8 +312,7 @@ class PairRunner:
         failure = p_task.exception()
         if not isinstance(failure, UpstreamFailure):
             raise failure  # type: ignore[misc]  # P's own 4xx (ProxyError) goes to the client
-        self._failed(p, failure, tried, last)
-        budget.spend(failure, tried[failure.role])
+        self._prefill_failed_now(p, failure, tried, last, budget)
 
 
 async def _until_decoded_or_prefill_failed(d_task: asyncio.Task[Any], p_task: asyncio.Task[Any]) -> None:

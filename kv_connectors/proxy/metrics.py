@@ -28,10 +28,18 @@ class ProxyMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.decode_only = Counter(
+            "kvc_proxy_decode_only",
+            "Prompts D computed without a prefill server: local (short prompt) or fallback (no prefill server left)",
+            ["mode"],
+            registry=r,
+        )
         self.backend_healthy = Gauge("kvc_proxy_backend_healthy", "1 while the backend is in rotation", ["role", "url"], registry=r)
         for role in ("prefill", "decode"):  # visible at 0 from the start
             self.retries.labels(role)
             self.evictions.labels(role)
+        for mode in ("local", "fallback"):
+            self.decode_only.labels(mode)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from .bodies import SseReindexer, merged_usage_event
 from .config import Role
 from .context import ProxyContext
 from .errors import FailureKind, Outcome, sse_error
+from .sse import DoneSeen
 from .trace import Trace
 from .upstream import OpenStream, classify
 
@@ -58,10 +59,14 @@ class RelayResponse(StreamingResponse):
 
     async def _relay_one(self) -> AsyncIterator[bytes]:
         stream = self._streams[0]
-        self._trace.outcome = Outcome.CLIENT_DISCONNECTED  # unless the loop ends by itself
+        self._trace.outcome = Outcome.CLIENT_DISCONNECTED  # unless the loop ends by itself or [DONE] went out
+        done = DoneSeen()
         try:
             async for chunk in stream.rest():
                 yield chunk
+                done.feed(chunk)
+                if done.seen:  # the client has the whole answer: closing now is not a disconnect
+                    self._trace.outcome = Outcome.OK
         except httpx.HTTPError as exc:
             yield self._mid_stream_failure(stream, exc)
         else:
@@ -98,8 +103,8 @@ class RelayResponse(StreamingResponse):
                         return
                 else:
                     yield item
+            self._trace.outcome = Outcome.OK  # set before the last yield: a client leaving after [DONE] completed
             yield merged_usage_event(reindexers) + DONE_EVENT
-            self._trace.outcome = Outcome.OK
         finally:
             for task in tasks:
                 task.cancel()

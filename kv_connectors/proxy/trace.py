@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,14 @@ from .errors import Outcome
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("kv_connectors.proxy")
+
+
+class Mode(str, enum.Enum):
+    """How a prompt was served (the `mode` of its log line)."""
+
+    DISAGGREGATED = "pd"  # P's KV handed to D
+    LOCAL = "local"  # D alone by choice: a prompt too short to be worth a transfer
+    FALLBACK = "fallback"  # D alone because no P was left
 
 
 def _seconds(value: float | None) -> str:
@@ -28,6 +37,7 @@ class Trace:
     prefill_s: float | None = None  # first P answer
     first_byte_s: float | None = None  # first byte from D (the whole answer when not streaming)
     outcome: Outcome = Outcome.OK
+    mode: Mode = Mode.DISAGGREGATED
     finished: bool = False
 
     def chose(self, role: Role, url: str) -> None:
@@ -58,9 +68,10 @@ class Trace:
         self.finished = True
         self.metrics.requests.labels(self.route, self.outcome.value).inc()
         logger.info(
-            "request %s %s P=%s D=%s retries=%d status=%d outcome=%s p_answer=%s d_first_byte=%s total=%.3fs",
+            "request %s %s mode=%s P=%s D=%s retries=%d status=%d outcome=%s p_answer=%s d_first_byte=%s total=%.3fs",
             self.request_id,
             self.route,
+            self.mode.value,
             ",".join(self.chosen[Role.PREFILL]) or "-",
             ",".join(self.chosen[Role.DECODE]) or "-",
             self.retries,

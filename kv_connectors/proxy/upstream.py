@@ -13,6 +13,7 @@ import httpx
 from .backends import BackendCall
 from .config import Role
 from .errors import EXCERPT_CHARS, FailureKind, Outcome, ProxyError, UpstreamFailure
+from .sse import EventKind, FirstOutput, error_message
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -101,7 +102,7 @@ class OpenStream:
 async def open_stream(
     client: httpx.AsyncClient, call: BackendCall, path: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float
 ) -> OpenStream:
-    """POST with a streamed answer and wait for its first non-empty chunk."""
+    """POST with a streamed answer and wait for its first output (see _until_first_output)."""
     role, url = call.pool.role, call.backend.url
     request = client.build_request("POST", url + path, json=body, headers=headers, timeout=timeout(timeout_s))
     resp: httpx.Response | None = None
@@ -112,9 +113,7 @@ async def open_stream(
                 await resp.aread()
                 check_status(role, url, resp)
             chunks = resp.aiter_bytes()
-            first = b""
-            while not first:
-                first = await chunks.__anext__()
+            first = await _until_first_output(role, url, resp, chunks)
     except BaseException as exc:
         if resp is not None:
             with anyio.CancelScope(shield=True):
@@ -128,6 +127,34 @@ async def open_stream(
             raise UpstreamFailure(role, url, FailureKind.BAD_ANSWER, "closed its stream without data") from None
         raise
     return OpenStream(resp, chunks, first, call)
+
+
+async def _until_first_output(role: Role, url: str, resp: httpx.Response, chunks: AsyncIterator[bytes]) -> bytes:
+    """The stream's bytes up to its first output event (a token, a finish); an error event before it (vLLM's
+    answer to a failed KV load, after its 200) is an UpstreamFailure the flows may retry, never the client's.
+    A stream that is not SSE: its first bytes."""
+    if "text/event-stream" not in resp.headers.get("content-type", ""):
+        first = b""
+        while not first:
+            first = await chunks.__anext__()
+        return first
+    hold = FirstOutput()
+    while True:
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            if hold.held.strip():
+                return hold.held  # ended without output (a D that sent only preamble): relayed as it is
+            raise
+        seen = hold.feed(chunk)
+        if seen is None:
+            continue
+        kind, event = seen
+        if kind is EventKind.ERROR:
+            raise UpstreamFailure(
+                role, url, FailureKind.STREAM_ERROR, f"sent an error before its first token: {error_message(event)}"
+            )
+        return hold.held
 
 
 def _deadline(role: Role, url: str, timeout_s: float) -> UpstreamFailure:

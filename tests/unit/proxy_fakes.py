@@ -79,6 +79,7 @@ class FakeServer:
     error: Exception | None = None
     error_times: int = 1_000_000  # how many requests fail with `error`
     status: int = 200
+    status_times: int = 1_000_000  # how many requests get `status`
     delay_s: float = 0.0
     hold: bool = False
     health: bool = True
@@ -97,6 +98,8 @@ class Fleet:
         self.servers = {u: FakeServer(u, "prefill") for u in prefill} | {u: FakeServer(u, "decode") for u in decode}
         self.calls: list[Call] = []
         self.health_calls = 0
+        self.tokenize_calls: list[dict[str, Any]] = []
+        self.tokenize_status = 200
         self.on_request: Callable[[Call], Any] | None = None
 
     def __getitem__(self, url: str) -> FakeServer:
@@ -116,6 +119,16 @@ class Fleet:
             if not server.health:
                 raise httpx.ConnectError("connection refused")
             return httpx.Response(200)
+        if request.url.path == "/tokenize":  # one token per word, 3 more for a chat template
+            self.tokenize_calls.append(json.loads(request.content))
+            if self.tokenize_status != 200:
+                return httpx.Response(self.tokenize_status, json={"error": {"message": "no", "code": self.tokenize_status}})
+            body = self.tokenize_calls[-1]
+            if "messages" in body:
+                count = sum(len(str(m.get("content", "")).split()) for m in body["messages"]) + 3
+            else:
+                count = len(body["prompt"].split())
+            return httpx.Response(200, json={"count": count, "max_model_len": 4096, "tokens": list(range(count))})
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "fake", "from": base}]})
         body = json.loads(request.content) if request.content else None
@@ -138,7 +151,8 @@ class Fleet:
         if server.error is not None and server.error_times > 0:
             server.error_times -= 1
             raise server.error
-        if server.status != 200:
+        if server.status != 200 and server.status_times > 0:
+            server.status_times -= 1
             return httpx.Response(server.status, json={"error": {"message": f"{server.role} failed", "code": server.status}})
         if server.answer is not None:
             return httpx.Response(200, json=server.answer(body))

@@ -45,6 +45,9 @@ def test_parse_args_full() -> None:
             "3",
             "--max-body-bytes",
             "4096",
+            "--no-decode-only-fallback",
+            "--local-prefill-below",
+            "64",
         ]
     )
     assert cfg.prefill == (
@@ -61,6 +64,9 @@ def test_parse_args_full() -> None:
         3,
         4096,
     )
+    assert cfg.decode_only_fallback is False and cfg.local_prefill_below == 64
+    defaults = parse_args(["--prefill", "p1:1", "--decode", "d:2"])
+    assert defaults.decode_only_fallback is True and defaults.local_prefill_below == 0
 
 
 def test_flow_auto_is_params_unless_every_p_has_a_side_channel() -> None:
@@ -91,6 +97,7 @@ def test_flow_auto_is_params_unless_every_p_has_a_side_channel() -> None:
         (["--prefill", "p:1", "--decode", "d:2", "--max-body-bytes", "10"], "--max-body-bytes must be >= 1024"),
         (["--prefill", "p:1", "--decode", "d:2", "--port", "70000"], "--port must be in"),
         (["--prefill", "p:1", "--decode", "d:2", "--port", "x"], "--port"),
+        (["--prefill", "p:1", "--decode", "d:2", "--local-prefill-below", "-1"], "--local-prefill-below must be >= 0"),
     ],
 )
 def test_bad_flags_exit_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

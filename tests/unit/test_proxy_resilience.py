@@ -81,11 +81,11 @@ async def test_retries_are_bounded(max_retries: int, calls: list[str]) -> None:
     fleet = Fleet((P1, P2), (D1,))
     for p in (P1, P2):
         fleet[p].status = 502
-    async with running(config((P1, P2), max_retries=max_retries), fleet) as (_, client):
+    async with running(config((P1, P2), max_retries=max_retries, decode_only_fallback=False), fleet) as (_, client):
         resp = await client.post("/v1/completions", json={"prompt": [1]})
         text = await _metrics(client)
     assert resp.status_code == 502 and "prefill server" in resp.json()["error"]["message"]
-    assert fleet.urls() == calls  # never D, and never more than the P servers there are
+    assert fleet.urls() == calls  # never D (no fallback), and never more than the P servers there are
     assert metric_value(text, "kvc_proxy_retries_total", role="prefill") == len(calls) - 1
     assert metric_value(text, "kvc_proxy_requests_total", route="/v1/completions", outcome="upstream_error") == 1
 
@@ -187,14 +187,26 @@ async def test_checker_runs_in_background() -> None:
     fleet = Fleet((P1,), (D1,))
     cfg = config(health_interval_s=0.02, health_timeout_s=0.5, unhealthy_after=2)
     async with running(cfg, fleet, health_checks=True) as (_, client):
+
+        async def p_healthy_becomes(value: bool) -> None:
+            for _ in range(200):
+                if (await _health(client))["prefill"][0]["healthy"] is value:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"P never became healthy={value}")
+
         fleet[P1].health = False
+        await p_healthy_becomes(False)
+        health = await client.get("/health")
+        assert health.status_code == 200  # D computes prompts itself (--decode-only-fallback)
+        fleet[D1].health = False
         for _ in range(200):
             if (await client.get("/health")).status_code == 503:
                 break
             await asyncio.sleep(0.01)
-        health = await client.get("/health")
-        assert health.status_code == 503 and health.json()["prefill"][0]["healthy"] is False
-        fleet[P1].health = True
+        assert (await client.get("/health")).status_code == 503
+        fleet[P1].health = fleet[D1].health = True
+        await p_healthy_becomes(True)
         for _ in range(200):
             if (await client.get("/health")).status_code == 200:
                 break

@@ -1,0 +1,61 @@
+"""How many tokens a prompt has: exact for token ids, bounded by its bytes for text, else a D's /tokenize."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+import httpx
+
+from .bodies import CHAT, COMPLETIONS
+from .context import ProxyContext
+
+logger = logging.getLogger("kv_connectors.proxy")
+
+# A text prompt of B UTF-8 bytes has at most B tokens plus the tokenizer's special ones (byte-level BPE and
+# SentencePiece both cut text into pieces of at least one byte); and, in practice, at least B / 64.
+SPECIAL_TOKENS = 4
+MAX_BYTES_PER_TOKEN = 64
+TOKENIZE_TIMEOUT_S = 5.0
+# What a chat /tokenize needs of the client's body to render the same template as D will.
+_CHAT_TEMPLATE_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools")
+
+
+async def is_shorter(ctx: ProxyContext, route: str, body: dict[str, Any], limit: int) -> bool:
+    """Whether the prompt has fewer than `limit` tokens; when it cannot be told (no D answers /tokenize
+    in time), False: the prompt is disaggregated as usual."""
+    prompt = body.get("prompt")
+    if route == COMPLETIONS and isinstance(prompt, list):
+        return len(prompt) < limit  # token ids (one prompt of a list is its own sub-request)
+    if route == COMPLETIONS and isinstance(prompt, str):
+        size = len(prompt.encode())
+        if size + SPECIAL_TOKENS < limit:
+            return True
+        if size >= limit * MAX_BYTES_PER_TOKEN:
+            return False
+    count = await _tokenize(ctx, route, body)
+    return count is not None and count < limit
+
+
+async def _tokenize(ctx: ProxyContext, route: str, body: dict[str, Any]) -> int | None:
+    backend = ctx.decode.peek()
+    if backend is None:
+        return None
+    if route == CHAT:
+        request = {"messages": body.get("messages")} | {k: body[k] for k in _CHAT_TEMPLATE_KEYS if k in body}
+    else:
+        request = {"prompt": body.get("prompt")}
+    if "model" in body:
+        request["model"] = body["model"]
+    try:
+        with anyio.fail_after(TOKENIZE_TIMEOUT_S):
+            resp = await ctx.http().post(backend.url + "/tokenize", json=request, timeout=TOKENIZE_TIMEOUT_S)
+        count = resp.json().get("count") if resp.is_success else None
+    except (httpx.HTTPError, TimeoutError, ValueError, AttributeError) as exc:
+        logger.debug("tokenize on %s failed: %r", backend.url, exc)
+        return None
+    if not isinstance(count, int) or isinstance(count, bool):
+        logger.debug("tokenize on %s answered HTTP %d without a count", backend.url, resp.status_code)
+        return None
+    return count
