@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from . import bodies
+from . import admin, bodies
 from .backends import HealthChecker
 from .config import ProxyConfig, Role, parse_args
 from .context import ProxyContext
@@ -169,6 +169,7 @@ def build_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = 
     app.add_api_route("/v1/models", _models, methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
+    admin.add_routes(app)
     return app
 
 

@@ -25,6 +25,7 @@ class Backend:
     url: str
     side_channel: SideChannel | None = None
     healthy: bool = True
+    draining: bool = False  # taken out of rotation by an operator: no new requests, in-flight ones finish
     outstanding: int = 0
     served: int = 0
     failures: int = 0  # failed requests and failed health checks, all time
@@ -34,11 +35,17 @@ class Backend:
         return {
             "url": self.url,
             "healthy": self.healthy,
+            "draining": self.draining,
             "outstanding": self.outstanding,
             "served": self.served,
             "failures": self.failures,
             "side_channel": None if self.side_channel is None else str(self.side_channel),
         }
+
+    @property
+    def available(self) -> bool:
+        """Whether new requests may go to it."""
+        return self.healthy and not self.draining
 
 
 class BackendCall:
@@ -72,23 +79,25 @@ class BackendPool:
         self._cursor = 0
         for b in self.backends:
             metrics.backend_healthy.labels(role.value, b.url).set(1)
+            metrics.backend_draining.labels(role.value, b.url).set(0)
 
     def any_healthy(self) -> bool:
-        return any(b.healthy for b in self.backends)
+        """Whether any backend may take a new request (healthy and not draining)."""
+        return any(b.available for b in self.backends)
 
     def has_candidate(self, exclude: Collection[Backend] = ()) -> bool:
-        return any(b.healthy and b not in exclude for b in self.backends)
+        return any(b.available and b not in exclude for b in self.backends)
 
     def peek(self) -> Backend | None:
         """The backend pick() would choose by round robin, without choosing it."""
         n = len(self.backends)
-        return next((b for i in range(n) if (b := self.backends[(self._cursor + i) % n]).healthy), None)
+        return next((b for i in range(n) if (b := self.backends[(self._cursor + i) % n]).available), None)
 
     def pick(self, exclude: Collection[Backend] = ()) -> Backend | None:
-        """A healthy backend not in `exclude`, by policy; None when there is none."""
+        """An available backend not in `exclude`, by policy; None when there is none."""
         n = len(self.backends)
         order = [self.backends[(self._cursor + i) % n] for i in range(n)]
-        candidates = [b for b in order if b.healthy and b not in exclude]
+        candidates = [b for b in order if b.available and b not in exclude]
         if not candidates:
             return None
         if self.policy is Policy.LEAST_OUTSTANDING:
@@ -97,6 +106,32 @@ class BackendPool:
             chosen = candidates[0]
         self._cursor = (self.backends.index(chosen) + 1) % n
         return chosen
+
+    # -- fleet changes (the admin endpoints); the tuple is replaced, never changed, so iterations stay valid --
+
+    def find(self, url: str) -> Backend | None:
+        return next((b for b in self.backends if b.url == url), None)
+
+    def add(self, spec: BackendSpec) -> Backend:
+        """A new backend, in rotation at once (the health checker checks it from its next round)."""
+        backend = Backend(self.role, spec.url, spec.side_channel)
+        self.backends = (*self.backends, backend)
+        self.metrics.backend_healthy.labels(self.role.value, backend.url).set(1)
+        self.metrics.backend_draining.labels(self.role.value, backend.url).set(0)
+        logger.info("%s %s added", self.role.value, backend.url)
+        return backend
+
+    def remove(self, backend: Backend) -> None:
+        """Out of the pool; requests in flight on it finish (they hold the Backend)."""
+        self.backends = tuple(b for b in self.backends if b is not backend)
+        for gauge in (self.metrics.backend_healthy, self.metrics.backend_draining):
+            gauge.remove(self.role.value, backend.url)
+        logger.info("%s %s removed (%d requests still in flight)", self.role.value, backend.url, backend.outstanding)
+
+    def set_draining(self, backend: Backend, draining: bool) -> None:
+        backend.draining = draining
+        self.metrics.backend_draining.labels(self.role.value, backend.url).set(1 if draining else 0)
+        logger.info("%s %s %s", self.role.value, backend.url, "draining" if draining else "back in rotation (drain ended)")
 
     def begin(self, backend: Backend) -> BackendCall:
         return BackendCall(self, backend)
@@ -107,6 +142,8 @@ class BackendPool:
 
     def record_check(self, backend: Backend, error: str | None, unhealthy_after: int) -> None:
         """One active check's result: evict after `unhealthy_after` failures in a row, restore on success."""
+        if backend not in self.backends:
+            return  # removed while the round ran
         if error is None:
             backend.consecutive_check_failures = 0
             self._set_health(backend, True, "health check answered")

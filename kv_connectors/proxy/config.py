@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -68,6 +69,7 @@ class ProxyConfig:
     log_level: str = "info"
     decode_only_fallback: bool = True
     local_prefill_below: int = 0
+    admin_token: str = field(default="", repr=False)  # "": the admin endpoints are off
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -108,6 +110,7 @@ class ProxyConfig:
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ADMIN_TOKEN_ENV = "KVC_PROXY_ADMIN_TOKEN"
 
 
 def _flag(field_name: str) -> str:
@@ -143,11 +146,18 @@ def parse_side_channel(value: str, url: str) -> SideChannel:
     return SideChannel(host, port)
 
 
+def backend_spec(role: Role, url: str, side_channel: str | None = None) -> BackendSpec:
+    """A backend from its flag or admin-request spelling; ConfigError naming what is wrong."""
+    url = normalize_url(url)
+    if side_channel is not None and role is Role.DECODE:
+        raise ConfigError(f"a decode server has no side channel ({url} {side_channel})")
+    return BackendSpec(url, parse_side_channel(side_channel, url) if side_channel is not None else None)
+
+
 def _prefill_spec(values: Sequence[str]) -> BackendSpec:
     if not 1 <= len(values) <= 2:
         raise ConfigError(f"--prefill takes URL [SIDE_CHANNEL], got {list(values)}")
-    url = normalize_url(values[0])
-    return BackendSpec(url, parse_side_channel(values[1], url) if len(values) == 2 else None)
+    return backend_spec(Role.PREFILL, values[0], values[1] if len(values) == 2 else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts of fewer than N tokens go to D alone: no prefill server, no transfer (0: never). Text "
         "prompts are counted with a decode server's /tokenize when their length does not decide it",
     )
+    add(
+        "--admin-token-env",
+        default=ADMIN_TOKEN_ENV,
+        metavar="NAME",
+        help="environment variable holding the bearer token of the /admin endpoints (add, remove, drain "
+        "backends); unset or empty: those endpoints are off. Never on the command line, where `ps` shows it",
+    )
     add("--log-level", default="info", choices=list(LOG_LEVELS))
     return parser
 
@@ -230,6 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
             log_level=args.log_level,
             decode_only_fallback=args.decode_only_fallback,
             local_prefill_below=args.local_prefill_below,
+            admin_token=os.environ.get(args.admin_token_env, ""),
         )
     except ConfigError as exc:
         parser.error(str(exc))

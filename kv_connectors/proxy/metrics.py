@@ -35,11 +35,19 @@ class ProxyMetrics:
             registry=r,
         )
         self.backend_healthy = Gauge("kvc_proxy_backend_healthy", "1 while the backend is in rotation", ["role", "url"], registry=r)
+        self.backend_draining = Gauge(
+            "kvc_proxy_backend_draining", "1 while an operator drains the backend", ["role", "url"], registry=r
+        )
+        self.fleet_changes = Counter(
+            "kvc_proxy_fleet_changes", "Admin changes to the fleet: add, remove, drain, undrain", ["action"], registry=r
+        )
         for role in ("prefill", "decode"):  # visible at 0 from the start
             self.retries.labels(role)
             self.evictions.labels(role)
         for mode in ("local", "fallback"):
             self.decode_only.labels(mode)
+        for action in ("add", "remove", "drain", "undrain"):
+            self.fleet_changes.labels(action)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
