@@ -91,7 +91,8 @@ class ProxyProcess(ManagedProcess):
     """The proxy (the installed `kv-connectors-proxy` command) as a child process.
 
     `prefill_side_channels` (one per prefill URL, None for none) become `--prefill URL SIDE_CHANNEL`;
-    `extra_args` are more proxy flags (e.g. `["--flow", "transfer-id", "--health-interval-s", "0.5"]`)."""
+    `extra_args` are more proxy flags (e.g. `["--flow", "transfer-id", "--health-interval-s", "0.5"]`);
+    `env` the whole environment (e.g. with KVC_PROXY_ADMIN_TOKEN), inherited when None."""
 
     def __init__(
         self,
@@ -101,6 +102,7 @@ class ProxyProcess(ManagedProcess):
         *,
         prefill_side_channels: Sequence[str | int | None] | None = None,
         extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         side_channels = [None] * len(prefill_urls) if prefill_side_channels is None else list(prefill_side_channels)
@@ -112,7 +114,7 @@ class ProxyProcess(ManagedProcess):
         for u in decode_urls:
             argv += ["--decode", u]
         argv += [str(a) for a in extra_args]
-        super().__init__(argv, name=f"proxy-{self.port}")
+        super().__init__(argv, name=f"proxy-{self.port}", env=env)
 
     @property
     def url(self) -> str:

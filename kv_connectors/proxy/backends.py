@@ -11,8 +11,9 @@ from typing import Any
 
 import httpx
 
-from .config import BackendSpec, Policy, Role, SideChannel
+from .config import BackendSpec, Policy, PrefixSettings, Role, SideChannel
 from .metrics import ProxyMetrics
+from .prefix import PrefixCache, PromptKey
 
 logger = logging.getLogger("kv_connectors.proxy")
 
@@ -30,6 +31,7 @@ class Backend:
     served: int = 0
     failures: int = 0  # failed requests and failed health checks, all time
     consecutive_check_failures: int = 0
+    prefix: PrefixCache | None = None  # with the prefix policy
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -40,7 +42,7 @@ class Backend:
             "served": self.served,
             "failures": self.failures,
             "side_channel": None if self.side_channel is None else str(self.side_channel),
-        }
+        } | ({} if self.prefix is None else {"prefix_chunks": len(self.prefix)})
 
     @property
     def available(self) -> bool:
@@ -73,9 +75,17 @@ class BackendCall:
 class BackendPool:
     """The servers of one role and the policy choosing among the healthy ones."""
 
-    def __init__(self, role: Role, specs: Sequence[BackendSpec], policy: Policy, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        role: Role,
+        specs: Sequence[BackendSpec],
+        policy: Policy,
+        metrics: ProxyMetrics,
+        prefix: PrefixSettings | None = None,
+    ) -> None:
         self.role, self.policy, self.metrics = role, policy, metrics
-        self.backends = tuple(Backend(role, s.url, s.side_channel) for s in specs)
+        self.prefix_settings = prefix or PrefixSettings()
+        self.backends = tuple(self._backend(s) for s in specs)
         self._cursor = 0
         for b in self.backends:
             metrics.backend_healthy.labels(role.value, b.url).set(1)
@@ -93,28 +103,64 @@ class BackendPool:
         n = len(self.backends)
         return next((b for i in range(n) if (b := self.backends[(self._cursor + i) % n]).available), None)
 
-    def pick(self, exclude: Collection[Backend] = ()) -> Backend | None:
-        """An available backend not in `exclude`, by policy; None when there is none."""
+    def pick(self, exclude: Collection[Backend] = (), key: PromptKey | None = None) -> Backend | None:
+        """An available backend not in `exclude`, by policy (`key`: the prompt, for the prefix policy);
+        None when there is none."""
         n = len(self.backends)
         order = [self.backends[(self._cursor + i) % n] for i in range(n)]
         candidates = [b for b in order if b.available and b not in exclude]
         if not candidates:
             return None
-        if self.policy is Policy.LEAST_OUTSTANDING:
-            chosen = min(candidates, key=lambda b: b.outstanding)  # ties: round-robin order
-        else:
+        if self.policy is Policy.PREFIX and key is not None and key.hashes:
+            chosen = self._by_prefix(candidates, key)
+        elif self.policy is Policy.ROUND_ROBIN:
             chosen = candidates[0]
+        else:  # least outstanding; a prefix policy without a key
+            chosen = min(candidates, key=lambda b: b.outstanding)  # ties: round-robin order
         self._cursor = (self.backends.index(chosen) + 1) % n
         return chosen
+
+    def _by_prefix(self, candidates: list[Backend], key: PromptKey) -> Backend:
+        """The longest match (ties: fewest in flight, then round robin), unless load is imbalanced or no
+        backend has seen the prompt's first chunk (then the fewest in flight). The prompt is remembered
+        for the one chosen."""
+        loads = [b.outstanding for b in candidates]
+        low, high = min(loads), max(loads)
+        settings = self.prefix_settings
+        matched = 0
+        if high - low > settings.balance_abs and high > settings.balance_rel * low:
+            result = "balance"
+            chosen = min(candidates, key=lambda b: b.outstanding)
+        else:
+            matches = [b.prefix.match(key) if b.prefix is not None else 0 for b in candidates]
+            matched = max(matches)
+            result = "hit" if matched else "miss"
+            best = [b for b, m in zip(candidates, matches) if m == matched]
+            chosen = min(best, key=lambda b: b.outstanding)
+        if chosen.prefix is not None:
+            chosen.prefix.insert(key)
+        self.metrics.prefix_decisions.labels(self.role.value, result).inc()
+        self.metrics.prefix_matched_share.labels(self.role.value).observe(key.covered_fraction(matched))
+        return chosen
+
+    def best_match(self, key: PromptKey) -> float:
+        """The largest share of the prompt an available backend has seen (0 without the prefix policy)."""
+        if self.policy is not Policy.PREFIX or not key.hashes:
+            return 0.0
+        return max((key.covered_fraction(b.prefix.match(key)) for b in self.backends if b.available and b.prefix), default=0.0)
 
     # -- fleet changes (the admin endpoints); the tuple is replaced, never changed, so iterations stay valid --
 
     def find(self, url: str) -> Backend | None:
         return next((b for b in self.backends if b.url == url), None)
 
+    def _backend(self, spec: BackendSpec) -> Backend:
+        prefix = PrefixCache(self.prefix_settings.capacity) if self.policy is Policy.PREFIX else None
+        return Backend(self.role, spec.url, spec.side_channel, prefix=prefix)
+
     def add(self, spec: BackendSpec) -> Backend:
         """A new backend, in rotation at once (the health checker checks it from its next round)."""
-        backend = Backend(self.role, spec.url, spec.side_channel)
+        backend = self._backend(spec)
         self.backends = (*self.backends, backend)
         self.metrics.backend_healthy.labels(self.role.value, backend.url).set(1)
         self.metrics.backend_draining.labels(self.role.value, backend.url).set(0)

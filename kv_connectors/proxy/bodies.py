@@ -9,6 +9,7 @@ from typing import Any
 
 from .config import SideChannel
 from .errors import bad_request
+from .prefix import PromptKey, prompt_key
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -97,6 +98,15 @@ def split_prompts(route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     if route != COMPLETIONS or not isinstance(prompt, list) or _is_token_ids(prompt):
         return [body]
     return [{**body, "prompt": p} for p in prompt]
+
+
+def prefix_key(route: str, body: dict[str, Any], chunk_tokens: int) -> PromptKey:
+    """One prompt's key for the prefix policy: completions' text or token ids, chat's messages."""
+    if route == CHAT:
+        messages = body.get("messages")
+        return prompt_key(None, messages if isinstance(messages, list) else [], chunk_tokens)
+    prompt = body.get("prompt")
+    return prompt_key(prompt if isinstance(prompt, str) or _is_token_ids(prompt) else None, None, chunk_tokens)
 
 
 def wants_token_forwarding(route: str, body: dict[str, Any]) -> bool:

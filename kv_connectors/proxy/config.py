@@ -31,6 +31,19 @@ class Flow(str, enum.Enum):
 class Policy(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_OUTSTANDING = "least_outstanding"
+    PREFIX = "prefix"  # the backend that has seen the longest prefix of the prompt, unless load is imbalanced
+
+
+@dataclass(frozen=True)
+class PrefixSettings:
+    """The prefix policy: chunk size, each backend's LRU capacity, and when load overrides cache affinity
+    (the busiest candidate has more than `balance_abs` more requests in flight than the idlest, and more
+    than `balance_rel` times as many: then the idlest is chosen)."""
+
+    chunk_tokens: int = 16
+    capacity: int = 100_000  # chunks per backend
+    balance_abs: int = 8
+    balance_rel: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,7 @@ class ProxyConfig:
     decode_only_fallback: bool = True
     local_prefill_below: int = 0
     admin_token: str = field(default="", repr=False)  # "": the admin endpoints are off
+    prefix: PrefixSettings = PrefixSettings()
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -94,6 +108,15 @@ class ProxyConfig:
             raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        p = self.prefix
+        if not 1 <= p.chunk_tokens <= 4096:
+            raise ConfigError(f"--prefix-chunk-tokens must be in 1..4096, got {p.chunk_tokens}")
+        if p.capacity < 1:
+            raise ConfigError(f"--prefix-cache-chunks must be >= 1, got {p.capacity}")
+        if p.balance_abs < 0 or not p.balance_rel >= 1:
+            raise ConfigError(
+                f"--prefix-balance-abs must be >= 0 and --prefix-balance-rel >= 1, got {p.balance_abs} and {p.balance_rel}"
+            )
         if self.local_prefill_below < 0:
             raise ConfigError(f"--local-prefill-below must be >= 0, got {self.local_prefill_below}")
         if self.log_level not in LOG_LEVELS:
@@ -213,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts of fewer than N tokens go to D alone: no prefill server, no transfer (0: never). Text "
         "prompts are counted with a decode server's /tokenize when their length does not decide it",
     )
+    add("--prefix-chunk-tokens", type=int, default=16, help="prefix policy: tokens per hashed chunk (text: 4 characters a token)")
+    add("--prefix-cache-chunks", type=int, default=100_000, help="prefix policy: chunks remembered per backend (LRU)")
+    add("--prefix-balance-abs", type=int, default=8, help="prefix policy: in-flight difference beyond which load wins")
+    add("--prefix-balance-rel", type=float, default=1.5, help="prefix policy: in-flight ratio beyond which load wins")
     add(
         "--admin-token-env",
         default=ADMIN_TOKEN_ENV,
@@ -248,6 +275,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
             decode_only_fallback=args.decode_only_fallback,
             local_prefill_below=args.local_prefill_below,
             admin_token=os.environ.get(args.admin_token_env, ""),
+            prefix=PrefixSettings(
+                args.prefix_chunk_tokens, args.prefix_cache_chunks, args.prefix_balance_abs, args.prefix_balance_rel
+            ),
         )
     except ConfigError as exc:
         parser.error(str(exc))

@@ -21,8 +21,8 @@ class ProxyContext:
 
     def __post_init__(self) -> None:
         cfg = self.config
-        self.prefill = BackendPool(Role.PREFILL, cfg.prefill, cfg.prefill_policy, self.metrics)
-        self.decode = BackendPool(Role.DECODE, cfg.decode, cfg.decode_policy, self.metrics)
+        self.prefill = BackendPool(Role.PREFILL, cfg.prefill, cfg.prefill_policy, self.metrics, cfg.prefix)
+        self.decode = BackendPool(Role.DECODE, cfg.decode, cfg.decode_policy, self.metrics, cfg.prefix)
 
     @property
     def flow(self) -> Flow:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 
 from . import bodies, tokens
+from .config import Policy
 from .context import ProxyContext
 from .flows import Answer, JsonAnswer, PairRunner, SubRequest, cancel_task
 from .relay import RelayResponse
@@ -51,16 +53,26 @@ def sub_requests(route: str, body: dict[str, Any], headers: dict[str, str]) -> l
 
 
 async def _run(ctx: ProxyContext, route: str, runner: PairRunner, sub: SubRequest) -> Answer:
-    """One prompt: D alone when it is shorter than --local-prefill-below, else P and D."""
+    """One prompt: D alone when what D has not cached of it (all of it, without the prefix policy on D)
+    is shorter than --local-prefill-below, else P and D."""
     limit = ctx.config.local_prefill_below
-    local = limit > 0 and await tokens.is_shorter(ctx, route, sub.body, limit)
+    cached = ctx.decode.best_match(sub.key) if sub.key is not None else 0.0
+    local = limit > 0 and await tokens.uncached_below(ctx, route, sub.body, limit, cached)
     return await runner.run(sub, Mode.LOCAL if local else Mode.DISAGGREGATED)
+
+
+def _with_keys(ctx: ProxyContext, route: str, subs: list[SubRequest]) -> list[SubRequest]:
+    """Each prompt's prefix key, when a pool routes by prefix."""
+    cfg = ctx.config
+    if Policy.PREFIX not in (cfg.prefill_policy, cfg.decode_policy):
+        return subs
+    return [replace(s, key=bodies.prefix_key(route, s.body, cfg.prefix.chunk_tokens)) for s in subs]
 
 
 async def dispatch(ctx: ProxyContext, route: str, body: dict[str, Any], headers: dict[str, str], trace: Trace) -> Response:
     """The client's response: D's answer as is (one prompt), merged answers (several), or a relayed stream."""
     runner = PairRunner(ctx, route, trace, bodies.is_stream(body))
-    subs = sub_requests(route, body, headers)
+    subs = _with_keys(ctx, route, sub_requests(route, body, headers))
     try:
         answers: list[Answer] = await gather_or_cancel([_run(ctx, route, runner, s) for s in subs])
     except BaseException:

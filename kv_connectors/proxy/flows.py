@@ -7,7 +7,7 @@ import json
 import logging
 import uuid
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import bodies
@@ -15,6 +15,7 @@ from .backends import Backend
 from .config import Flow, Role
 from .context import ProxyContext
 from .errors import FailureKind, UpstreamFailure, no_backend
+from .prefix import PromptKey
 from .trace import Mode, Trace
 from .upstream import OpenStream, answer_json, open_stream, post_json
 
@@ -28,6 +29,7 @@ class SubRequest:
     index: int
     body: dict[str, Any]
     headers: dict[str, str]
+    key: PromptKey | None = None  # for the prefix policy
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,16 @@ class _Budget:
         logger.info("request %s: retrying after: %s", self.trace.request_id, failure)
 
 
+@dataclass
+class _Attempt:
+    """One prompt's way through the fleet: the backends that failed it, each role's last failure, retries."""
+
+    sub: SubRequest
+    budget: _Budget
+    tried: dict[Role, set[Backend]] = field(default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()})
+    last: dict[Role, UpstreamFailure] = field(default_factory=dict)
+
+
 class PairRunner:
     """Runs the prompts of one client request, each on a P/D pair; retries on other backends within budget."""
 
@@ -89,21 +101,19 @@ class PairRunner:
 
     async def run(self, sub: SubRequest, mode: Mode = Mode.DISAGGREGATED) -> Answer:
         """D's answer for one prompt: with P's KV (`mode` DISAGGREGATED), or computed by D alone (LOCAL)."""
-        tried: dict[Role, set[Backend]] = {Role.PREFILL: set(), Role.DECODE: set()}
-        last: dict[Role, UpstreamFailure] = {}
-        budget = _Budget(self.ctx, self.trace)
+        a = _Attempt(sub, _Budget(self.ctx, self.trace))
         if not self.ctx.decode.any_healthy():  # before any work: a prefill no D can use holds P's blocks
             raise no_backend(Role.DECODE)
         if mode is Mode.LOCAL:
-            return await self._decode_only(sub, tried, last, budget, Mode.LOCAL)
+            return await self._decode_only(a, Mode.LOCAL)
         if not self.ctx.prefill.any_healthy() and not self._fallback:
             raise no_backend(Role.PREFILL)
         if self.ctx.flow is Flow.TRANSFER_ID:
             while True:
-                answer = await self._transfer_pair(sub, tried, last, budget)
+                answer = await self._transfer_pair(a)
                 if answer is not None:
                     return answer
-        return await self._params(sub, tried, last, budget)
+        return await self._params(a)
 
     async def settle(self) -> None:
         """End of the client request: abort P requests still running (their D already has the KV)."""
@@ -115,30 +125,28 @@ class PairRunner:
 
     # -- shared pieces --
 
-    def _pick(self, role: Role, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure]) -> Backend:
-        backend = self.ctx.pool(role).pick(tried[role])
+    def _pick(self, role: Role, a: _Attempt) -> Backend:
+        backend = self.ctx.pool(role).pick(a.tried[role], a.sub.key)
         if backend is None:
-            if role in last:
-                raise last[role].to_proxy_error() from last[role]
+            if role in a.last:
+                raise a.last[role].to_proxy_error() from a.last[role]
             raise no_backend(role)
         self.trace.chose(role, backend.url)
         return backend
 
-    def _pick_prefill(self, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure]) -> Backend | None:
+    def _pick_prefill(self, a: _Attempt) -> Backend | None:
         """A P, or None when there is none left and D may compute the prompt itself (the fallback)."""
-        if self._fallback and not self.ctx.prefill.has_candidate(tried[Role.PREFILL]):
+        if self._fallback and not self.ctx.prefill.has_candidate(a.tried[Role.PREFILL]):
             return None
-        return self._pick(Role.PREFILL, tried, last)
+        return self._pick(Role.PREFILL, a)
 
     @property
     def _fallback(self) -> bool:
         return self.ctx.config.decode_only_fallback
 
-    def _failed(
-        self, backend: Backend, failure: UpstreamFailure, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure]
-    ) -> None:
-        tried[backend.role].add(backend)
-        last[backend.role] = failure
+    def _failed(self, backend: Backend, failure: UpstreamFailure, a: _Attempt) -> None:
+        a.tried[backend.role].add(backend)
+        a.last[backend.role] = failure
         self.trace.failed(backend.role, backend.url)
         logger.warning("request %s: %s", self.trace.request_id, failure)
         if failure.marks_unhealthy:
@@ -162,79 +170,60 @@ class PairRunner:
         self.trace.decode_first_byte(streaming=False)
         return JsonAnswer(resp.content, resp.status_code, resp.headers.get("content-type", "application/json"), d.url)
 
-    def _decode_failed(
-        self,
-        d: Backend,
-        failure: UpstreamFailure,
-        tried: dict[Role, set[Backend]],
-        last: dict[Role, UpstreamFailure],
-        budget: _Budget,
-        p: Backend | None = None,
-    ) -> None:
+    def _decode_failed(self, d: Backend, failure: UpstreamFailure, a: _Attempt, p: Backend | None = None) -> None:
         """A D failure before any byte reached the client: spend a retry (a slow D is not retried).
 
         D answered with an error (HTTP 5xx, or an error event before its first token: vLLM's answer to a
         failed KV load): the KV it was handed is as likely the cause as D itself, so P is not used again
         for this prompt, and D is, when no other D is left."""
-        self._failed(d, failure, tried, last)
+        self._failed(d, failure, a)
         if failure.kind is FailureKind.TIMEOUT:
             raise failure.to_proxy_error() from failure
         if failure.kind in (FailureKind.SERVER_ERROR, FailureKind.STREAM_ERROR):
             if p is not None:
-                tried[Role.PREFILL].add(p)
-            if not self.ctx.decode.has_candidate(tried[Role.DECODE]):
-                tried[Role.DECODE].discard(d)
-        budget.spend(failure, tried[failure.role])
+                a.tried[Role.PREFILL].add(p)
+            if not self.ctx.decode.has_candidate(a.tried[Role.DECODE]):
+                a.tried[Role.DECODE].discard(d)
+        a.budget.spend(failure, a.tried[failure.role])
 
-    def _prefill_failed_now(
-        self,
-        p: Backend,
-        failure: UpstreamFailure,
-        tried: dict[Role, set[Backend]],
-        last: dict[Role, UpstreamFailure],
-        budget: _Budget,
-    ) -> None:
-        self._failed(p, failure, tried, last)
-        budget.spend(failure, tried[failure.role], fallback=self._fallback)
+    def _prefill_failed(self, p: Backend, failure: UpstreamFailure, a: _Attempt) -> None:
+        self._failed(p, failure, a)
+        a.budget.spend(failure, a.tried[failure.role], fallback=self._fallback)
 
     # -- D alone: a short prompt (LOCAL), or no P left (FALLBACK) --
 
-    async def _decode_only(
-        self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure], budget: _Budget, mode: Mode
-    ) -> Answer:
+    async def _decode_only(self, a: _Attempt, mode: Mode) -> Answer:
         self.trace.mode = mode
         self.ctx.metrics.decode_only.labels(mode.value).inc()
         if mode is Mode.FALLBACK:
             logger.warning("request %s: no prefill server left; decode computes the prompt", self.trace.request_id)
-        d_body = bodies.decode_only_body(sub.body)
+        d_body = bodies.decode_only_body(a.sub.body)
         while True:
-            d = self._pick(Role.DECODE, tried, last)
+            d = self._pick(Role.DECODE, a)
             try:
-                return await self._decode(sub, d, d_body)
+                return await self._decode(a.sub, d, d_body)
             except UpstreamFailure as failure:
-                self._decode_failed(d, failure, tried, last, budget)
+                self._decode_failed(d, failure, a)
 
     # -- params flow (NIXL): P answers with kv_transfer_params, D gets them --
 
-    async def _params(
-        self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure], budget: _Budget
-    ) -> Answer:
+    async def _params(self, a: _Attempt) -> Answer:
         while True:
-            p = self._pick_prefill(tried, last)
+            p = self._pick_prefill(a)
             if p is None:
-                return await self._decode_only(sub, tried, last, budget, Mode.FALLBACK)
+                return await self._decode_only(a, Mode.FALLBACK)
             try:
-                kv_params, token_ids = await self._prefill_params(sub, p)
+                kv_params, token_ids = await self._prefill_params(a.sub, p)
             except UpstreamFailure as failure:
-                self._prefill_failed_now(p, failure, tried, last, budget)
+                self._prefill_failed(p, failure, a)
                 continue
-            d_body = bodies.decode_body_params(self.route, sub.body, kv_params, token_ids)
+            d_body = bodies.decode_body_params(self.route, a.sub.body, kv_params, token_ids)
             while True:
-                d = self._pick(Role.DECODE, tried, last)
+                d = self._pick(Role.DECODE, a)
                 try:
-                    return await self._decode(sub, d, d_body)
+                    return await self._decode(a.sub, d, d_body)
                 except UpstreamFailure as failure:
-                    self._decode_failed(d, failure, tried, last, budget, p)
+                    self._decode_failed(d, failure, a, p)
                     if failure.kind is not FailureKind.NOT_REACHED:
                         break  # D may have read (and released) P's blocks: prefill again
                     # never reached D: P still holds the blocks under its lease, same params on another D
@@ -260,22 +249,20 @@ class PairRunner:
         body = bodies.prefill_body(sub.body, bodies.transfer_prefill_params(transfer_id), return_token_ids=False)
         await self._post_prefill(sub, p, body)
 
-    async def _transfer_pair(
-        self, sub: SubRequest, tried: dict[Role, set[Backend]], last: dict[Role, UpstreamFailure], budget: _Budget
-    ) -> Answer | None:
+    async def _transfer_pair(self, a: _Attempt) -> Answer | None:
         """One P with a fresh transfer id, and D (another D only if D was never reached); None: new pair."""
-        p = self._pick_prefill(tried, last)
+        p = self._pick_prefill(a)
         if p is None:
-            return await self._decode_only(sub, tried, last, budget, Mode.FALLBACK)
-        d = self._pick(Role.DECODE, tried, last)
+            return await self._decode_only(a, Mode.FALLBACK)
+        d = self._pick(Role.DECODE, a)
         assert p.side_channel is not None  # ProxyConfig guarantees it for this flow
         transfer_id = "kvc-" + uuid.uuid4().hex
-        p_task = asyncio.create_task(self._prefill_tid(sub, p, transfer_id))
+        p_task = asyncio.create_task(self._prefill_tid(a.sub, p, transfer_id))
         handed_over = False
         try:
             while True:
-                d_body = bodies.transfer_decode_body(sub.body, transfer_id, p.side_channel)
-                d_task = asyncio.create_task(self._decode(sub, d, d_body))
+                d_body = bodies.transfer_decode_body(a.sub.body, transfer_id, p.side_channel)
+                d_task = asyncio.create_task(self._decode(a.sub, d, d_body))
                 try:
                     await _until_decoded_or_prefill_failed(d_task, p_task)
                 finally:
@@ -286,33 +273,26 @@ class PairRunner:
                     self._background.append(p_task)
                     return d_task.result()
                 if p_task.done() and (p_task.cancelled() or p_task.exception() is not None):
-                    self._prefill_failed(p, p_task, tried, last, budget)
+                    self._prefill_task_failed(p, p_task, a)
                     return None
                 failure = d_task.exception()
                 if not isinstance(failure, UpstreamFailure):
                     raise failure
-                self._decode_failed(d, failure, tried, last, budget, p)
+                self._decode_failed(d, failure, a, p)
                 if failure.kind is not FailureKind.NOT_REACHED:
                     return None
-                d = self._pick(Role.DECODE, tried, last)  # same P and transfer id: P waits for a D
+                d = self._pick(Role.DECODE, a)  # same P and transfer id: P waits for a D
         finally:
             if not handed_over:
                 await cancel_task(p_task)
 
-    def _prefill_failed(
-        self,
-        p: Backend,
-        p_task: asyncio.Task[None],
-        tried: dict[Role, set[Backend]],
-        last: dict[Role, UpstreamFailure],
-        budget: _Budget,
-    ) -> None:
+    def _prefill_task_failed(self, p: Backend, p_task: asyncio.Task[None], a: _Attempt) -> None:
         if p_task.cancelled():
             raise asyncio.CancelledError
         failure = p_task.exception()
         if not isinstance(failure, UpstreamFailure):
             raise failure  # type: ignore[misc]  # P's own 4xx (ProxyError) goes to the client
-        self._prefill_failed_now(p, failure, tried, last, budget)
+        self._prefill_failed(p, failure, a)
 
 
 async def _until_decoded_or_prefill_failed(d_task: asyncio.Task[Any], p_task: asyncio.Task[Any]) -> None:

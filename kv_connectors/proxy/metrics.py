@@ -35,6 +35,19 @@ class ProxyMetrics:
             registry=r,
         )
         self.backend_healthy = Gauge("kvc_proxy_backend_healthy", "1 while the backend is in rotation", ["role", "url"], registry=r)
+        self.prefix_decisions = Counter(
+            "kvc_proxy_prefix_decisions",
+            "Prefix-policy choices: hit (a backend had seen a prefix), miss (none had), balance (load won)",
+            ["role", "result"],
+            registry=r,
+        )
+        self.prefix_matched_share = Histogram(
+            "kvc_proxy_prefix_matched_share",
+            "Share of the prompt the chosen backend had seen (prefix policy)",
+            ["role"],
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        )
         self.backend_draining = Gauge(
             "kvc_proxy_backend_draining", "1 while an operator drains the backend", ["role", "url"], registry=r
         )

@@ -22,20 +22,22 @@ TOKENIZE_TIMEOUT_S = 5.0
 _CHAT_TEMPLATE_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools")
 
 
-async def is_shorter(ctx: ProxyContext, route: str, body: dict[str, Any], limit: int) -> bool:
-    """Whether the prompt has fewer than `limit` tokens; when it cannot be told (no D answers /tokenize
-    in time), False: the prompt is disaggregated as usual."""
+async def uncached_below(ctx: ProxyContext, route: str, body: dict[str, Any], limit: int, cached_share: float = 0.0) -> bool:
+    """Whether the part of the prompt D has not cached (`cached_share`: the estimated share it has) is
+    fewer than `limit` tokens; when that cannot be told (no D answers /tokenize in time), False: the
+    prompt is disaggregated as usual."""
+    left = 1.0 - cached_share
     prompt = body.get("prompt")
     if route == COMPLETIONS and isinstance(prompt, list):
-        return len(prompt) < limit  # token ids (one prompt of a list is its own sub-request)
+        return len(prompt) * left < limit  # token ids (one prompt of a list is its own sub-request)
     if route == COMPLETIONS and isinstance(prompt, str):
         size = len(prompt.encode())
-        if size + SPECIAL_TOKENS < limit:
+        if size * left + SPECIAL_TOKENS < limit:
             return True
-        if size >= limit * MAX_BYTES_PER_TOKEN:
+        if size * left >= limit * MAX_BYTES_PER_TOKEN:
             return False
     count = await _tokenize(ctx, route, body)
-    return count is not None and count < limit
+    return count is not None and count * left < limit
 
 
 async def _tokenize(ctx: ProxyContext, route: str, body: dict[str, Any]) -> int | None:

@@ -310,7 +310,9 @@ async def test_models_health_and_metrics() -> None:
     assert health.status_code == 200
     h = health.json()
     assert h["status"] == "ok" and h["flow"] == "params"
-    assert h["prefill"] == [{"url": P1, "healthy": True, "draining": False, "outstanding": 0, "served": 2, "failures": 0, "side_channel": None}]
+    assert h["prefill"] == [
+        {"url": P1, "healthy": True, "draining": False, "outstanding": 0, "served": 2, "failures": 0, "side_channel": None}
+    ]
     assert [b["url"] for b in h["decode"]] == [D2, D1]
     text = metrics.text
     assert metrics.headers["content-type"].startswith("text/plain")
