@@ -277,7 +277,7 @@ class PairRunner:
                     return None
                 failure = d_task.exception()
                 if not isinstance(failure, UpstreamFailure):
-                    raise failure
+                    raise failure or RuntimeError("decode task ended without an answer")
                 self._decode_failed(d, failure, a, p)
                 if failure.kind is not FailureKind.NOT_REACHED:
                     return None

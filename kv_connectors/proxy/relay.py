@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 import anyio
 import httpx
@@ -57,7 +57,7 @@ class RelayResponse(StreamingResponse):
         status = 504 if failure.kind is FailureKind.TIMEOUT else 502
         return sse_error(status, f"{failure} mid-stream", "upstream_timeout" if status == 504 else "upstream_error")
 
-    async def _relay_one(self) -> AsyncIterator[bytes]:
+    async def _relay_one(self) -> AsyncGenerator[bytes, None]:
         stream = self._streams[0]
         self._trace.outcome = Outcome.CLIENT_DISCONNECTED  # unless the loop ends by itself or [DONE] went out
         done = DoneSeen()
@@ -72,7 +72,7 @@ class RelayResponse(StreamingResponse):
         else:
             self._trace.outcome = Outcome.OK
 
-    async def _relay_merged(self) -> AsyncIterator[bytes]:
+    async def _relay_merged(self) -> AsyncGenerator[bytes, None]:
         """Sub-streams relayed as their events come, choice index = prompt index; one usage chunk, one [DONE]."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         reindexers = [SseReindexer(i) for i in range(len(self._streams))]
