@@ -1,8 +1,9 @@
 """PD disaggregation proxy for xPyD fleets: N prefill and M decode vLLM servers behind one OpenAI endpoint.
 
-Reading order: config (flags) -> backends (state, policies, health checks) -> bodies (validation, P/D bodies,
-split/merge) -> upstream (one backend call) -> flows (params and transfer-id flows, retries) -> dispatch
-(one client request) -> relay (SSE out) -> app (routes).
+Reading order: config (flags) -> prefix (prompt keys, per-backend LRU) -> backends (state, policies, draining,
+health checks) -> sse (vLLM's events) -> bodies (validation, P/D bodies, split/merge) -> upstream (one backend
+call) -> tokens (prompt length) -> flows (params and transfer-id flows, D alone, retries) -> dispatch (one
+client request) -> relay (SSE out) -> admin (fleet changes) -> app (routes).
 """
 
 try:
