@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import hashlib
+from array import array
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_connectors.errors import TransferParamsError
@@ -20,6 +22,10 @@ REMOTE_NUM_TOKENS = "remote_num_tokens"
 TRANSFER_ID = "transfer_id"
 TP_SIZE = "tp_size"
 REMOTE_BLOCK_SIZE = "remote_block_size"  # P's tokens per block (D's may differ: planned token by token)
+# A digest of P's prompt token ids: D checks its own prompt's first remote_num_tokens tokens against it
+# (a D request for another prompt fails instead of decoding from that prompt's KV), and may then carry
+# more tokens than P's prompt (the first token from prefill: D computes what P's KV does not cover).
+REMOTE_PROMPT_DIGEST = "remote_prompt_digest"
 
 _REQUIRED = (REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST, REMOTE_PORT)
 _REQUIRED_TRANSFER_ID = (TRANSFER_ID, REMOTE_HOST, REMOTE_PORT)
@@ -45,6 +51,11 @@ class RemotePrefill:
     # None in the transfer-id flow: the handshake with each rank checks it then.
     remote_tp_size: int | None = None
     remote_block_size: int | None = None  # P's tokens per block, when the params state it
+    remote_prompt_digest: str | None = None  # prompt_digest of P's prompt, when the params state it
+
+    def covered_tokens(self, num_prompt: int) -> int:
+        """How many of D's `num_prompt` prompt tokens P's KV covers (all when P did not say)."""
+        return num_prompt if self.remote_num_tokens is None else min(num_prompt, self.remote_num_tokens)
 
     @property
     def peer_key(self) -> tuple[str, str, int]:
@@ -54,6 +65,19 @@ class RemotePrefill:
     def push_only(self) -> bool:
         """P's blocks are unknown: only P can move them (it writes into ours)."""
         return not self.remote_block_ids
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """A 128-bit digest of a prompt's token ids (what P states, what D checks)."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+def _digest(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 32 or any(c not in "0123456789abcdef" for c in value):
+        raise TransferParamsError(f"kv_transfer_params[{REMOTE_PROMPT_DIGEST!r}] must be 32 lowercase hex digits, got {value!r}")
+    return value
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
@@ -110,6 +134,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         transfer_id=None if params.get(TRANSFER_ID) is None else _str(TRANSFER_ID, params[TRANSFER_ID]),
         remote_tp_size=_tp_size(params),
         remote_block_size=None if params.get(REMOTE_BLOCK_SIZE) is None else _int(REMOTE_BLOCK_SIZE, params[REMOTE_BLOCK_SIZE], 1),
+        remote_prompt_digest=_digest(params.get(REMOTE_PROMPT_DIGEST)),
     )
 
 
@@ -219,6 +244,7 @@ def producer_params(
     transfer_id: str | None = None,
     tp_size: int = 1,
     block_size: int | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """What P returns with its answer, for the proxy to copy into D's request.
 
@@ -237,6 +263,8 @@ def producer_params(
     }
     if block_size is not None:
         params[REMOTE_BLOCK_SIZE] = block_size
+    if prompt_token_ids is not None:
+        params[REMOTE_PROMPT_DIGEST] = prompt_digest(prompt_token_ids)
     if transfer_id is not None:
         params[TRANSFER_ID] = transfer_id
     return params

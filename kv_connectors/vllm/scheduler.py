@@ -13,10 +13,12 @@ from kv_connectors.errors import TransferParamsError
 from kv_connectors.params import (
     NO_PARAMS,
     REMOTE_BLOCK_IDS,
+    REMOTE_PROMPT_DIGEST,
     RemotePrefill,
     RequestParams,
     parse_request_params,
     producer_params,
+    prompt_digest,
 )
 from kv_connectors.plan import blocks_for_tokens
 from kv_connectors.vllm.compat import FINISHED_NORMALLY, unhashed_block_ids
@@ -108,7 +110,9 @@ class SchedulerSide:
             return 0, False
         if rid not in self._pending:
             self._pending[rid] = self._check(request, params)
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        num_prompt = len(request.prompt_token_ids or ())
+        remote = self._pending[rid].remote
+        count = (num_prompt if remote is None else remote.covered_tokens(num_prompt)) - num_computed_tokens
         # A bad request still goes the asynchronous way so that the worker can fail it cleanly.
         return (count, True) if count > 0 else (0, False)
 
@@ -119,15 +123,27 @@ class SchedulerSide:
         if rp is None:
             logger.debug("request %s: %s", request.request_id, params.prefill_error)
             return _Parsed(params.release, params.prefill_error)  # P can still be told to free its blocks
-        num_prompt = len(request.prompt_token_ids or ())
-        needed = blocks_for_tokens(num_prompt, rp.remote_block_size or self._block_size)
+        prompt = request.prompt_token_ids or ()
+        num_prompt = len(prompt)
+        covered = rp.covered_tokens(num_prompt)
+        needed = blocks_for_tokens(covered, rp.remote_block_size or self._block_size)
         error = None
         if rp.push_only:
             pass  # P's blocks are unknown until P writes them: P checks the count then
-        elif rp.remote_num_tokens is not None and rp.remote_num_tokens != num_prompt:
+        elif rp.remote_num_tokens is not None and rp.remote_num_tokens > num_prompt:
             error = TransferParamsError(
                 f"prefill had {rp.remote_num_tokens} prompt tokens, this request has {num_prompt}: "
-                "the decode request must carry the same prompt as the prefill request"
+                "the decode request must carry the prefill request's prompt"
+            )
+        elif rp.remote_prompt_digest is not None and prompt_digest(list(prompt[:covered])) != rp.remote_prompt_digest:
+            error = TransferParamsError(
+                f"the decode request's first {covered} prompt tokens differ from the prefill request's prompt: "
+                "the decode request must carry the prefill request's prompt"
+            )
+        elif covered < num_prompt and rp.remote_prompt_digest is None:
+            error = TransferParamsError(
+                f"prefill had {covered} prompt tokens, this request has {num_prompt}: a longer decode prompt needs "
+                f"the prefill's {REMOTE_PROMPT_DIGEST}"
             )
         elif len(rp.remote_block_ids) != needed:
             error = TransferParamsError(f"{REMOTE_BLOCK_IDS} has {len(rp.remote_block_ids)} blocks, the prompt fills {needed}")
@@ -155,8 +171,8 @@ class SchedulerSide:
             self._release(rid, rp)
             return
         local = unhashed_block_ids(blocks)
-        num_prompt = len(request.prompt_token_ids or ())
-        first = num_prompt - num_external_tokens  # tokens D has (prefix-cache hits): not loaded
+        covered = rp.covered_tokens(len(request.prompt_token_ids or ()))  # D computes any tokens after these
+        first = covered - num_external_tokens  # tokens D has (prefix-cache hits): not loaded
         p_bs = rp.remote_block_size or self._block_size
         if p_bs == self._block_size:
             remote = rp.remote_block_ids[len(rp.remote_block_ids) - len(local) :] if rp.remote_block_ids else ()
@@ -243,4 +259,5 @@ class SchedulerSide:
             transfer_id=transfer_id,
             tp_size=self._tp_size,
             block_size=self._block_size,
+            prompt_token_ids=request.prompt_token_ids,
         )

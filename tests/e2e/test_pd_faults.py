@@ -64,6 +64,27 @@ def test_malformed_kv_transfer_params_fail_the_request(reference, prefill_server
     wait_until(lambda: stats(scratch_prefill).held_blocks == 0, 10, "P to free the blocks")
 
 
+@pytest.mark.parametrize(
+    "d_prompt, why",
+    [
+        (make_prompts([100], seed=4)[0], "differ from the prefill request's prompt"),
+        (PROMPT[:60], "prefill had 100 prompt tokens, this request has 60"),
+    ],
+    ids=["same-length-other-prompt", "shorter"],
+)
+def test_decode_request_for_another_prompt_fails_instead_of_decoding_from_its_kv(
+    reference, prefill_server, decode_server, scratch_prefill, d_prompt, why
+):
+    """P's params carry a digest of its prompt: D refuses P's KV for a prompt that is not P's (a proxy
+    that mixed up two requests of the same length used to get another prompt's tokens, answered 200)."""
+    assert d_prompt != PROMPT
+    params = prefill(scratch_prefill.url, PROMPT)
+    _assert_failed_quickly(decode_server, params, prompt=d_prompt)
+    assert why in decode_server.log_tail(300), "D's log does not say why"
+    _assert_decode_still_serves(reference, prefill_server, decode_server)
+    wait_until(lambda: stats(scratch_prefill).held_blocks == 0, 10, "P to free the blocks")
+
+
 def test_incompatible_peer_is_refused(reference, prefill_server, decode_server):
     other = pd_server(build_tiny_model(variant="base"), "kv_producer", name="P-other", max_model_len=MAX_MODEL_LEN)
     with other:

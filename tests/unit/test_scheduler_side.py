@@ -150,3 +150,87 @@ def test_a_prefill_with_another_block_size_loads_the_tokens_d_lacks():
     side.get_num_new_matched_tokens(b, 0)
     side.update_state_after_alloc(b, _blocks([5, 6]), 64)
     assert "remote_block_ids has 3 blocks, the prompt fills 4" in side.build_connector_meta(OUTPUT).reqs_failed["b"]
+
+
+def _p_params(prompt: list[int], block_ids: list[int]) -> dict:
+    """What P's scheduler side returns for a finished prefill of `prompt`."""
+    p = SchedulerSide(parse_config("P", "kv_producer", {}), BLOCK, 7001, clock=FakeClock())
+    r = SimpleNamespace(
+        request_id="p-req",
+        kv_transfer_params={"do_remote_decode": True},
+        prompt_token_ids=list(prompt),
+        num_prompt_tokens=len(prompt),
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
+    p.get_num_new_matched_tokens(r, 0)
+    delay, params = p.request_finished(r, block_ids)
+    assert delay and params is not None
+    return params
+
+
+def _d_request(rid: str, prompt: list[int], params: dict) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        prompt_token_ids=list(prompt),
+        num_prompt_tokens=len(prompt),
+        status=RequestStatus.WAITING,
+    )
+
+
+def test_p_states_a_digest_of_its_prompt():
+    params = _p_params(list(range(70)), [7, 8, 9])
+    assert params["remote_num_tokens"] == 70 and isinstance(params["remote_prompt_digest"], str)
+    assert params["remote_prompt_digest"] == _p_params(list(range(70)), [1, 2, 3])["remote_prompt_digest"]
+    assert params["remote_prompt_digest"] != _p_params(list(range(69)) + [0], [7, 8, 9])["remote_prompt_digest"]
+
+
+def test_d_loads_p_kv_for_a_prefix_of_its_prompt():
+    """First token from prefill: D's prompt is P's plus the token P sampled; D loads P's 64 tokens and
+    computes the 65th itself (P's blocks cover 64 tokens: 2 blocks; D allocated 2 for them)."""
+    prompt = list(range(64))
+    params = _p_params(prompt, [7, 8])
+    side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock())
+    d = _d_request("d", prompt + [99], params)
+    assert side.get_num_new_matched_tokens(d, 0) == (64, True)
+    side.update_state_after_alloc(d, _blocks([5, 6]), 64)
+    spec = side.build_connector_meta(OUTPUT).reqs_to_recv["d"]
+    assert (spec.local_block_ids, spec.remote_block_ids) == ((5, 6), (7, 8))
+    assert (spec.first_token, spec.num_tokens) == (0, 64)
+    assert not side.build_connector_meta(OUTPUT).reqs_failed
+
+    # with 32 tokens already cached on D: the second block only
+    d2 = _d_request("d2", prompt + [99], params)
+    assert side.get_num_new_matched_tokens(d2, 32) == (32, True)
+    side.update_state_after_alloc(d2, _blocks([6]), 32)
+    spec = side.build_connector_meta(OUTPUT).reqs_to_recv["d2"]
+    assert (spec.local_block_ids, spec.remote_block_ids, spec.first_token, spec.num_tokens) == ((6,), (8,), 32, 32)
+
+    # D has cached all 64: nothing to load, P is told to free its blocks
+    d3 = _d_request("d3", prompt + [99], params)
+    assert side.get_num_new_matched_tokens(d3, 64) == (0, False)
+
+
+def test_d_refuses_p_kv_for_another_prompt():
+    """P's digest is checked against D's prompt: a D request whose first tokens are not P's prompt (of
+    any length) fails instead of decoding from another prompt's KV; shorter remote KV needs the digest."""
+    prompt = list(range(64))
+    params = _p_params(prompt, [7, 8])
+    cases = {
+        "same length, other tokens": (list(range(1, 65)), params),
+        "longer, other first tokens": ([5] + list(range(1, 64)) + [99], params),
+        "shorter than P's prompt": (prompt[:40], params),
+        "longer without the digest": (prompt + [99], {k: v for k, v in params.items() if k != "remote_prompt_digest"}),
+        "a digest that is not one": (prompt, {**params, "remote_prompt_digest": 12}),
+    }
+    side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock())
+    for rid, (d_prompt, d_params) in cases.items():
+        d = _d_request(rid, d_prompt, d_params)
+        count, load = side.get_num_new_matched_tokens(d, 0)
+        assert load, rid  # failed through the worker, which tells P to free its blocks
+        side.update_state_after_alloc(d, _blocks([5, 6][: -(-count // BLOCK)]), count)
+    failed = side.build_connector_meta(OUTPUT).reqs_failed
+    assert set(failed) == set(cases), failed
+    assert "differ" in failed["same length, other tokens"] and "differ" in failed["longer, other first tokens"]
+    assert "remote_prompt_digest" in failed["longer without the digest"]
+    assert "remote_prompt_digest" in failed["a digest that is not one"]
