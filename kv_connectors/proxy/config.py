@@ -83,6 +83,7 @@ class ProxyConfig:
     decode_only_fallback: bool = True
     local_prefill_below: int = 0
     admin_token: str = field(default="", repr=False)  # "": the admin endpoints are off
+    first_token_from_prefill: bool = True
     prefix: PrefixSettings = PrefixSettings()
 
     def __post_init__(self) -> None:
@@ -229,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         "itself instead of the request failing",
     )
     add(
+        "--first-token-from-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="streamed requests (params flow): P's first token goes to the client at once and D continues from "
+        "prompt + that token, where the result is exact (see the README); off: D generates every token",
+    )
+    add(
         "--local-prefill-below",
         type=int,
         default=0,
@@ -273,6 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
             max_body_bytes=args.max_body_bytes,
             log_level=args.log_level,
             decode_only_fallback=args.decode_only_fallback,
+            first_token_from_prefill=args.first_token_from_prefill,
             local_prefill_below=args.local_prefill_below,
             admin_token=os.environ.get(args.admin_token_env, ""),
             prefix=PrefixSettings(

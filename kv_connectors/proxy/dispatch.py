@@ -10,10 +10,12 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse, Response
 
 from . import bodies, tokens
-from .config import Policy
+from . import seed as seeding
+from .config import Flow, Policy
 from .context import ProxyContext
-from .flows import Answer, JsonAnswer, PairRunner, SubRequest, cancel_task
-from .relay import RelayResponse
+from .flows import Answer, JsonAnswer, PairRunner, Seeded, SubRequest, cancel_task
+from .relay import RelayResponse, SeededRelayResponse
+from .seed import ContinuationRewriter
 from .trace import Mode, Trace
 from .upstream import OpenStream
 
@@ -52,13 +54,20 @@ def sub_requests(route: str, body: dict[str, Any], headers: dict[str, str]) -> l
     return [SubRequest(i, part, {**headers, REQUEST_ID_HEADER: f"{rid}-{i}"}) for i, part in enumerate(parts)]
 
 
-async def _run(ctx: ProxyContext, route: str, runner: PairRunner, sub: SubRequest) -> Answer:
+async def _run(ctx: ProxyContext, route: str, runner: PairRunner, sub: SubRequest, seed: bool = False) -> Answer | Seeded:
     """One prompt: D alone when what D has not cached of it (all of it, without the prefix policy on D)
-    is shorter than --local-prefill-below, else P and D."""
+    is shorter than --local-prefill-below, else P and D (`seed`: first token from prefill, if P's allows)."""
     limit = ctx.config.local_prefill_below
     cached = ctx.decode.best_match(sub.key) if sub.key is not None else 0.0
     local = limit > 0 and await tokens.uncached_below(ctx, route, sub.body, limit, cached)
-    return await runner.run(sub, Mode.LOCAL if local else Mode.DISAGGREGATED)
+    return await runner.run(sub, Mode.LOCAL if local else Mode.DISAGGREGATED, seed=seed and not local)
+
+
+def _seed(ctx: ProxyContext, route: str, body: dict[str, Any], subs: list[SubRequest]) -> bool:
+    """Whether to try first token from prefill: on, one streamed prompt, params flow, options that allow it."""
+    return (
+        ctx.config.first_token_from_prefill and len(subs) == 1 and ctx.flow is Flow.PARAMS and seeding.request_seedable(route, body)
+    )
 
 
 def _with_keys(ctx: ProxyContext, route: str, subs: list[SubRequest]) -> list[SubRequest]:
@@ -73,11 +82,17 @@ async def dispatch(ctx: ProxyContext, route: str, body: dict[str, Any], headers:
     """The client's response: D's answer as is (one prompt), merged answers (several), or a relayed stream."""
     runner = PairRunner(ctx, route, trace, bodies.is_stream(body))
     subs = _with_keys(ctx, route, sub_requests(route, body, headers))
+    seed = _seed(ctx, route, body, subs)
     try:
-        answers: list[Answer] = await gather_or_cancel([_run(ctx, route, runner, s) for s in subs])
+        answers: list[Answer | Seeded] = await gather_or_cancel([_run(ctx, route, runner, s, seed) for s in subs])
     except BaseException:
         await runner.settle()
         raise
+    if isinstance(answers[0], Seeded):
+        seeded = answers[0]
+        return SeededRelayResponse(
+            ctx, trace, runner.settle, seeded.events, lambda: runner.continue_seeded(seeded), ContinuationRewriter(seeded.first)
+        )
     if runner.stream:
         streams = [a for a in answers if isinstance(a, OpenStream)]
         return RelayResponse(ctx, streams, trace, runner.settle)

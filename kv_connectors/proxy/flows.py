@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import bodies
+from . import seed as seeding
 from .backends import Backend
 from .config import Flow, Role
 from .context import ProxyContext
 from .errors import FailureKind, UpstreamFailure, no_backend
 from .prefix import PromptKey
+from .seed import FirstToken
 from .trace import Mode, Trace
 from .upstream import OpenStream, answer_json, open_stream, post_json
 
@@ -54,6 +56,18 @@ class JsonAnswer:
 
 
 Answer = JsonAnswer | OpenStream
+
+
+@dataclass(frozen=True)
+class Seeded:
+    """P answered with a first token that can seed D: the client gets `events` at once, and D's stream
+    (`PairRunner.continue_seeded`) continues from prompt + that token."""
+
+    first: FirstToken
+    events: bytes
+    d_body: dict[str, Any]
+    attempt: _Attempt
+    p: Backend
 
 
 async def cancel_task(task: asyncio.Task[Any]) -> None:
@@ -99,8 +113,10 @@ class PairRunner:
         self.ctx, self.route, self.trace, self.stream = ctx, route, trace, stream
         self._background: list[asyncio.Task[Any]] = []  # P requests still running after D answered
 
-    async def run(self, sub: SubRequest, mode: Mode = Mode.DISAGGREGATED) -> Answer:
-        """D's answer for one prompt: with P's KV (`mode` DISAGGREGATED), or computed by D alone (LOCAL)."""
+    async def run(self, sub: SubRequest, mode: Mode = Mode.DISAGGREGATED, seed: bool = False) -> Answer | Seeded:
+        """D's answer for one prompt: with P's KV (`mode` DISAGGREGATED), or computed by D alone (LOCAL).
+        `seed` (a streamed request seed.request_seedable allows, params flow): P's first token, when it can
+        seed D, is returned as a Seeded instead, before D is asked."""
         a = _Attempt(sub, _Budget(self.ctx, self.trace))
         if not self.ctx.decode.any_healthy():  # before any work: a prefill no D can use holds P's blocks
             raise no_backend(Role.DECODE)
@@ -113,7 +129,7 @@ class PairRunner:
                 answer = await self._transfer_pair(a)
                 if answer is not None:
                     return answer
-        return await self._params(a)
+        return await self._params(a, seed)
 
     async def settle(self) -> None:
         """End of the client request: abort P requests still running (their D already has the KV)."""
@@ -207,16 +223,23 @@ class PairRunner:
 
     # -- params flow (NIXL): P answers with kv_transfer_params, D gets them --
 
-    async def _params(self, a: _Attempt) -> Answer:
+    async def _params(self, a: _Attempt, seed: bool = False) -> Answer | Seeded:
         while True:
             p = self._pick_prefill(a)
             if p is None:
                 return await self._decode_only(a, Mode.FALLBACK)
             try:
-                kv_params, token_ids = await self._prefill_params(a.sub, p)
+                kv_params, token_ids, answer = await self._prefill_params(a.sub, p, seed)
             except UpstreamFailure as failure:
                 self._prefill_failed(p, failure, a)
                 continue
+            if seed:
+                first = seeding.first_token(self.route, answer) if kv_params is not None else None
+                self.ctx.metrics.first_token.labels("seeded" if first else "answer_not_seedable").inc()
+                if first is not None:
+                    self.trace.seeded = True
+                    d_body = seeding.continue_body(self.route, a.sub.body, kv_params, first)
+                    return Seeded(first, seeding.first_events(self.route, a.sub.body, first), d_body, a, p)
             d_body = bodies.decode_body_params(self.route, a.sub.body, kv_params, token_ids)
             while True:
                 d = self._pick(Role.DECODE, a)
@@ -228,9 +251,12 @@ class PairRunner:
                         break  # D may have read (and released) P's blocks: prefill again
                     # never reached D: P still holds the blocks under its lease, same params on another D
 
-    async def _prefill_params(self, sub: SubRequest, p: Backend) -> tuple[dict[str, Any] | None, list[int] | None]:
+    async def _prefill_params(
+        self, sub: SubRequest, p: Backend, seed: bool = False
+    ) -> tuple[dict[str, Any] | None, list[int] | None, dict[str, Any]]:
+        """P's kv_transfer_params, the prompt token ids for D (when D is to get ids), P's whole answer."""
         forward_ids = bodies.wants_token_forwarding(self.route, sub.body)
-        body = bodies.prefill_body(sub.body, dict(bodies.PREFILL_KV_PARAMS), return_token_ids=forward_ids)
+        body = bodies.prefill_body(sub.body, dict(bodies.PREFILL_KV_PARAMS), return_token_ids=forward_ids or seed)
         answer = await self._post_prefill(sub, p, body)
         kv_params = answer.get("kv_transfer_params")
         if not isinstance(kv_params, dict):
@@ -241,7 +267,25 @@ class PairRunner:
             )
             kv_params = None
         token_ids = bodies.prompt_token_ids(self.route, answer) if forward_ids else None
-        return kv_params, token_ids
+        return kv_params, token_ids, answer
+
+    async def continue_seeded(self, s: Seeded) -> OpenStream:
+        """D's stream after the first token: with P's KV; after a failure that may have cost P's KV, D
+        computes prompt + first token itself (the client already has the first token: no new prefill)."""
+        a, body = s.attempt, s.d_body
+        while True:
+            d = self._pick(Role.DECODE, a)
+            try:
+                answer = await self._decode(a.sub, d, body)
+            except UpstreamFailure as failure:
+                self._decode_failed(d, failure, a, s.p)
+                if failure.kind is not FailureKind.NOT_REACHED and "kv_transfer_params" in body:
+                    body = seeding.continue_body(self.route, a.sub.body, None, s.first)
+                    self.trace.mode = Mode.FALLBACK
+                    self.ctx.metrics.decode_only.labels(Mode.FALLBACK.value).inc()
+                continue
+            assert isinstance(answer, OpenStream)  # seeding is for streamed requests
+            return answer
 
     # -- transfer-id flow (Mooncake push): P and D addressed together --
 

@@ -48,6 +48,13 @@ class ProxyMetrics:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
             registry=r,
         )
+        self.first_token = Counter(
+            "kvc_proxy_first_token",
+            "Streamed requests eligible for first token from prefill: seeded, or answer_not_seedable (P stopped, "
+            "or its token is part of a character): D generated from the first token",
+            ["result"],
+            registry=r,
+        )
         self.backend_draining = Gauge(
             "kvc_proxy_backend_draining", "1 while an operator drains the backend", ["role", "url"], registry=r
         )
@@ -59,6 +66,8 @@ class ProxyMetrics:
             self.evictions.labels(role)
         for mode in ("local", "fallback"):
             self.decode_only.labels(mode)
+        for result in ("seeded", "answer_not_seedable"):
+            self.first_token.labels(result)
         for action in ("add", "remove", "drain", "undrain"):
             self.fleet_changes.labels(action)
 

@@ -14,7 +14,8 @@ from starlette.types import Receive, Scope, Send
 from .bodies import SseReindexer, merged_usage_event
 from .config import Role
 from .context import ProxyContext
-from .errors import FailureKind, Outcome, sse_error
+from .errors import FailureKind, Outcome, ProxyError, sse_error
+from .seed import ContinuationRewriter
 from .sse import DoneSeen
 from .trace import Trace
 from .upstream import OpenStream, classify
@@ -109,3 +110,53 @@ class RelayResponse(StreamingResponse):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SeededRelayResponse(RelayResponse):
+    """First token from prefill: the client gets P's first token at once (`first_events`), then D's
+    continuation, opened (with its retries) by `open_rest` and rewritten by `rewriter`; cleanup as in
+    RelayResponse."""
+
+    def __init__(
+        self,
+        ctx: ProxyContext,
+        trace: Trace,
+        settle: Callable[[], Awaitable[None]],
+        first_events: bytes,
+        open_rest: Callable[[], Awaitable[OpenStream]],
+        rewriter: ContinuationRewriter,
+    ) -> None:
+        self._ctx, self._streams, self._trace, self._settle = ctx, [], trace, settle
+        self._first_events, self._open_rest, self._rewriter = first_events, open_rest, rewriter
+        self._body = self._relay_seeded()
+        StreamingResponse.__init__(
+            self, self._body, status_code=200, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def _relay_seeded(self) -> AsyncGenerator[bytes, None]:
+        self._trace.outcome = Outcome.CLIENT_DISCONNECTED  # unless the loop ends by itself or [DONE] went out
+        self._trace.decode_first_byte(streaming=True)  # the client's first token: P's
+        yield self._first_events
+        try:
+            stream = await self._open_rest()
+        except ProxyError as exc:
+            self._trace.outcome = exc.outcome
+            yield sse_error(exc.status, f"{exc.message} (after the first token)", exc.err_type)
+            return
+        self._streams.append(stream)
+        done = DoneSeen()
+        try:
+            async for chunk in stream.rest():
+                out = self._rewriter.feed(chunk)
+                if out:
+                    yield out
+                    done.feed(out)
+                    if done.seen:
+                        self._trace.outcome = Outcome.OK
+            tail = self._rewriter.flush()
+            if tail:
+                yield tail
+        except httpx.HTTPError as exc:
+            yield self._mid_stream_failure(stream, exc)
+        else:
+            self._trace.outcome = Outcome.OK

@@ -38,6 +38,7 @@ class Trace:
     first_byte_s: float | None = None  # first byte from D (the whole answer when not streaming)
     outcome: Outcome = Outcome.OK
     mode: Mode = Mode.DISAGGREGATED
+    seeded: bool = False  # the client's first token came from P (first token from prefill)
     finished: bool = False
 
     def chose(self, role: Role, url: str) -> None:
@@ -68,10 +69,11 @@ class Trace:
         self.finished = True
         self.metrics.requests.labels(self.route, self.outcome.value).inc()
         logger.info(
-            "request %s %s mode=%s P=%s D=%s retries=%d status=%d outcome=%s p_answer=%s d_first_byte=%s total=%.3fs",
+            "request %s %s mode=%s seeded=%s P=%s D=%s retries=%d status=%d outcome=%s p_answer=%s d_first_byte=%s total=%.3fs",
             self.request_id,
             self.route,
             self.mode.value,
+            "yes" if self.seeded else "no",
             ",".join(self.chosen[Role.PREFILL]) or "-",
             ",".join(self.chosen[Role.DECODE]) or "-",
             self.retries,

@@ -1,0 +1,204 @@
+"""First token from prefill: P's sampled token goes to the client at once, D continues from prompt + that token.
+
+P already samples the first token of every disaggregated request. For a streamed request the proxy sends it
+to the client as soon as P answers, and asks D to continue from P's prompt token ids plus that token (D loads
+P's KV for the prompt, which P's `remote_prompt_digest` lets D check, and computes only the one new position),
+so the client's time to first token no longer includes the KV transfer and D's scheduling. D's events are
+then rewritten so that the client gets what one server would have sent: D's own preamble and prompt token
+ids dropped, usage counted against the client's prompt, one response id.
+
+Only where the result is exact: requests whose every option acts per token (no stop strings, no
+presence/frequency penalties, no logprobs, no tools or structured output, no echo, no per-chunk usage), and
+answers where P stopped because of max_tokens=1 with a first token that is whole text (not part of a
+multi-byte character, not empty). Anything else takes the usual flow (D generates from the first token)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .bodies import CHAT, COMPLETIONS
+from .sse import EventKind, classify_event, event_data, split_events
+
+# Request fields whose presence (with a value other than these) rules seeding out.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "echo": (False, None),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "stop": (None, "", []),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "use_beam_search": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "continue_final_message": (None, False),
+}
+
+
+def request_seedable(route: str, body: dict[str, Any]) -> bool:
+    """Whether a (single-prompt, streamed) request's options all act token by token, so that P's first
+    token and D's continuation are what one server would generate."""
+    if route not in (COMPLETIONS, CHAT) or body.get("stream") is not True:
+        return False
+    for name, neutral in _NEUTRAL.items():
+        if name in body and body[name] not in neutral:
+            return False
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return False
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None and limit < 2:
+        return False  # P's token is the whole answer: the usual flow also frees P's blocks
+    prompt = body.get("prompt")
+    return route == CHAT or isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What P's answer says of the first token, and what the client's stream is built from."""
+
+    token_id: int
+    text: str
+    prompt_token_ids: list[int]
+    response_id: str
+    created: Any
+    model: Any
+
+
+def first_token(route: str, answer: dict[str, Any]) -> FirstToken | None:
+    """P's first token, when it can seed D: P stopped at max_tokens (not at EOS or a stop token), the token
+    ids are there, and the token's text is whole (a piece of a multi-byte character is held back by vLLM
+    and ends as "" or U+FFFD). None: take the usual flow."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    if choice.get("finish_reason") != "length":
+        return None
+    token_ids = choice.get("token_ids")
+    if route == CHAT:
+        prompt_ids = answer.get("prompt_token_ids")
+        message = choice.get("message")
+        if (
+            not isinstance(message, dict)
+            or message.get("tool_calls")
+            or message.get("reasoning")
+            or message.get("reasoning_content")
+        ):
+            return None
+        text = message.get("content")
+    else:
+        prompt_ids = choice.get("prompt_token_ids")
+        text = choice.get("text")
+    if not (isinstance(token_ids, list) and len(token_ids) == 1 and isinstance(token_ids[0], int)):
+        return None
+    if not (isinstance(prompt_ids, list) and prompt_ids and all(isinstance(t, int) for t in prompt_ids)):
+        return None
+    if not isinstance(text, str) or not text or "\ufffd" in text:
+        return None
+    return FirstToken(token_ids[0], text, list(prompt_ids), str(answer.get("id", "")), answer.get("created"), answer.get("model"))
+
+
+def _minus_one(body: dict[str, Any], name: str, floor: int) -> None:
+    value = body.get(name)
+    if isinstance(value, int) and not isinstance(value, bool):
+        body[name] = max(floor, value - 1)
+
+
+def continue_body(route: str, body: dict[str, Any], kv_params: dict[str, Any] | None, first: FirstToken) -> dict[str, Any]:
+    """D's request: the client's, from prompt + the first token, one token fewer to generate; with P's
+    kv_transfer_params (None: D computes the prompt itself, e.g. a retry after P's KV was lost)."""
+    d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    ids = [*first.prompt_token_ids, first.token_id]
+    for name in ("max_tokens", "max_completion_tokens"):
+        _minus_one(d_body, name, 1)
+    _minus_one(d_body, "min_tokens", 0)
+    if route == COMPLETIONS:
+        d_body["prompt"] = ids
+        if kv_params is not None:
+            d_body["kv_transfer_params"] = dict(kv_params)
+    else:
+        d_body["kv_transfer_params"] = {**(kv_params or {}), "prompt_token_ids": ids}
+    return d_body
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def first_events(route: str, body: dict[str, Any], first: FirstToken) -> bytes:
+    """The client's first SSE events, as one server would have sent them for the first token."""
+    ids_asked = body.get("return_token_ids") is True
+    head = {"id": first.response_id, "created": first.created, "model": first.model}
+    if route == COMPLETIONS:
+        choice: dict[str, Any] = {"index": 0, "text": first.text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        if ids_asked:
+            choice |= {"prompt_token_ids": first.prompt_token_ids, "token_ids": [first.token_id]}
+        return _event({**head, "object": "text_completion", "choices": [choice]})
+    role = {**head, "object": "chat.completion.chunk"}
+    role["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+    if ids_asked:
+        role["prompt_token_ids"] = first.prompt_token_ids
+    content: dict[str, Any] = {"index": 0, "delta": {"content": first.text}, "logprobs": None, "finish_reason": None}
+    if ids_asked:
+        content["token_ids"] = [first.token_id]
+    return _event(role) + _event({**head, "object": "chat.completion.chunk", "choices": [content]})
+
+
+class ContinuationRewriter:
+    """D's stream, as the rest of the client's: D's preamble (chat's role chunk) and its prompt token ids
+    dropped, the response id made the first token's, usage counted against the client's prompt (one prompt
+    token fewer, one completion token more)."""
+
+    def __init__(self, first: FirstToken) -> None:
+        self.first = first
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        events, self._rest = split_events(self._rest + chunk)
+        return b"".join(self._rewrite(e) for e in events)
+
+    def flush(self) -> bytes:
+        rest, self._rest = self._rest, b""
+        return self._rewrite(rest) if rest.strip() else b""
+
+    def _rewrite(self, event: bytes) -> bytes:
+        kind = classify_event(event)
+        if kind is EventKind.PREAMBLE:
+            return b"" if event_data(event) is not None else event + b"\n\n"
+        payload = event_data(event)
+        if kind is not EventKind.OUTPUT or payload is None:
+            return event + b"\n\n"
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(obj, dict):
+            return event + b"\n\n"
+        if "id" in obj:
+            obj["id"] = self.first.response_id
+        obj.pop("prompt_token_ids", None)
+        for choice in obj.get("choices") or []:
+            if isinstance(choice, dict):
+                choice.pop("prompt_token_ids", None)
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            _shift_usage(usage)
+        return _event(obj)
+
+
+def _shift_usage(usage: dict[str, Any]) -> None:
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int):
+        usage["prompt_tokens"], usage["completion_tokens"] = prompt - 1, completion + 1
