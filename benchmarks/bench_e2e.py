@@ -222,7 +222,7 @@ def start_pair(stack: contextlib.ExitStack, cfg: PdConfig, settings: ServerSetti
         stack.callback(server.stop)
     for server in (p, d):
         server.wait_ready()
-    proxy = ProxyProcess([p.url], [d.url])
+    proxy = ProxyProcess([p.url], [d.url], extra_args=cfg.proxy_args)
     proxy.start()
     stack.callback(proxy.stop)
     proxy.wait_ready()

@@ -85,6 +85,7 @@ class PdConfig:
     build: Callable[[ServerSettings], tuple[VllmServer, VllmServer]]
     kv_source: str  # "connector" (our side-channel stats), "metrics" (our kvc:* on /metrics) or "builtin" (vllm:nixl_*)
     notes: tuple[str, ...] = ()
+    proxy_args: tuple[str, ...] = ()  # flags of the proxy in front of this pair
 
 
 def _ours(
@@ -161,6 +162,13 @@ CONFIGS: dict[str, PdConfig] = {
             f"our NixlConnector, pull, from the checkout named by ${BASELINE_TREE_ENV} (before/after in one run)",
             lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s, _baseline_tree()),
             "metrics",
+        ),
+        PdConfig(
+            "ours-nixl-pull-unseeded",
+            "our NixlConnector, pull, the proxy without first token from prefill (D generates every token)",
+            lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s),
+            "connector",
+            proxy_args=("--no-first-token-from-prefill",),
         ),
         PdConfig(
             "ours-nixl-push",

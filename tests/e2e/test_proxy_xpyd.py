@@ -48,6 +48,8 @@ class Case:
 
     def body(self) -> tuple[str, dict[str, Any]]:
         base: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0, "stream": self.stream}
+        if self.stream:
+            base["stream_options"] = {"include_usage": True}
         if self.kind == "chat":
             return "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": self.prompt}]}
         return "/v1/completions", {**base, "prompt": self.prompt, "return_token_ids": True}
@@ -56,8 +58,14 @@ class Case:
 @dataclass(frozen=True)
 class Outcome:
     ok: bool
-    output: Any = None  # completions: (prompt token ids, output token ids); chat: the text
+    # completions: (prompt token ids, output token ids, text, finish reason, usage); chat: (text, finish
+    # reason, usage); usage = (prompt tokens, completion tokens)
+    output: Any = None
     error: str = ""
+
+
+def _usage(usage: Any) -> tuple[int, int] | None:
+    return None if not isinstance(usage, dict) else (usage["prompt_tokens"], usage["completion_tokens"])
 
 
 def make_cases(n: int, seed: int, max_tokens: int = MAX_TOKENS) -> list[Case]:
@@ -85,13 +93,16 @@ def run_case(url: str, case: Case, timeout: float = 120.0) -> Outcome:
             resp = client.post(url + path, json=body)
             if resp.status_code != 200:
                 return Outcome(False, error=f"{resp.status_code}: {resp.json()['error']['message']}")
-            choice = resp.json()["choices"][0]
+            answer = resp.json()
+            choice, usage = answer["choices"][0], _usage(answer.get("usage"))
             if case.kind == "chat":
-                return Outcome(True, choice["message"]["content"])
-            return Outcome(True, (choice["prompt_token_ids"], choice["token_ids"]))
+                return Outcome(True, (choice["message"]["content"], choice["finish_reason"], usage))
+            return Outcome(True, (choice["prompt_token_ids"], choice["token_ids"], choice["text"], choice["finish_reason"], usage))
         prompt_ids: list[int] = []
         out_ids: list[int] = []
         text = ""
+        finish = None
+        usage = None
         with client.stream("POST", url + path, json=body) as resp:
             if resp.status_code != 200:
                 resp.read()
@@ -99,11 +110,15 @@ def run_case(url: str, case: Case, timeout: float = 120.0) -> Outcome:
             for event in _events(resp):
                 if "error" in event:
                     return Outcome(False, error=f"stream: {event['error']['message']}")
+                usage = _usage(event.get("usage")) or usage
                 for choice in event["choices"]:
                     prompt_ids += choice.get("prompt_token_ids") or []
                     out_ids += choice.get("token_ids") or []
-                    text += (choice.get("delta") or {}).get("content") or ""
-    return Outcome(True, text if case.kind == "chat" else (prompt_ids, out_ids))
+                    text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    finish = choice.get("finish_reason") or finish
+    if case.kind == "chat":
+        return Outcome(True, (text, finish, usage))
+    return Outcome(True, (prompt_ids, out_ids, text, finish, usage))
 
 
 def run_all(url: str, cases: list[Case], on_done: Any = None) -> list[Outcome]:
@@ -223,10 +238,16 @@ def test_100_requests_equal_colocated_and_every_server_serves(xpyd: XPyD) -> Non
     assert len({repr(w.output) for w in want}) > 50, "tiny model output is near-constant"
     p0, d0 = [stats(p) for p in xpyd.prefill], [stats(d) for d in xpyd.decode]
     ok0 = proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="ok")
+    seeded0 = proxy_metric(xpyd.proxy, "kvc_proxy_first_token_total", result="seeded")
+    unseedable0 = proxy_metric(xpyd.proxy, "kvc_proxy_first_token_total", result="answer_not_seedable")
     got = run_all(xpyd.proxy.url, cases)
     bad = _compare(cases, got, want)
     assert not bad, f"{len(bad)} of {len(cases)} differ: " + "; ".join(bad[:5])
     assert proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="ok") - ok0 == len(cases)
+    # Half the cases are streamed: the first token came from P wherever P's token was whole text.
+    seeded = proxy_metric(xpyd.proxy, "kvc_proxy_first_token_total", result="seeded") - seeded0
+    unseedable = proxy_metric(xpyd.proxy, "kvc_proxy_first_token_total", result="answer_not_seedable") - unseedable0
+    assert seeded + unseedable == sum(c.stream for c in cases) and seeded >= 10, (seeded, unseedable)
 
     sends = [stats(p).completed_sends - s.completed_sends for p, s in zip(xpyd.prefill, p0)]
     loads = [stats(d).recv_transfers - s.recv_transfers for d, s in zip(xpyd.decode, d0)]
@@ -236,7 +257,8 @@ def test_100_requests_equal_colocated_and_every_server_serves(xpyd: XPyD) -> Non
     health = proxy_health(xpyd.proxy)
     assert [b["served"] > 0 for b in health["prefill"] + health["decode"]] == [True] * 4
     print(
-        f"\n100 requests: P completed sends {sends}, D loads {loads}, "
+        f"\n100 requests: first token from P for {seeded:g} of {sum(c.stream for c in cases)} streamed "
+        f"({unseedable:g} not seedable), P completed sends {sends}, D loads {loads}, "
         f"proxy served P {[b['served'] for b in health['prefill']]} D {[b['served'] for b in health['decode']]}"
     )
     # 40 s: longer than a lease (30 s) an earlier test file may have left on the shared P
