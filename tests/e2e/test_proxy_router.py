@@ -84,13 +84,19 @@ def test_load_failing_before_the_first_token_is_retried_with_the_exact_answer(fl
         retries = proxy_metric(proxy, "kvc_proxy_retries_total", role="decode")
         ok = proxy_metric(proxy, "kvc_proxy_requests_total", outcome="ok")
         served = [b["served"] for b in proxy_health(proxy)["prefill"]]
+        fallbacks = proxy_metric(proxy, "kvc_proxy_decode_only_total", mode="fallback")
     failed_loads = stats(fleet.d).recv_failures - failures0
-    print(f"\n{len(cases)} requests, P-unreachable first for some: D load failures {failed_loads}, proxy retries {retries:g}")
+    print(
+        f"\n{len(cases)} requests, P-unreachable first for some: D load failures {failed_loads}, proxy retries "
+        f"{retries:g}, D alone after the first token {fallbacks:g}, P served {served}"
+    )
     bad = _compare(cases, got, want)
     assert not bad, f"{len(bad)} of {len(cases)}: " + "; ".join(bad[:4])  # no error event reached a client
     assert ok == len(cases)
     assert failed_loads >= 3 and retries == failed_loads, (failed_loads, retries)  # each failed load: one retry
-    assert served[0] >= 3 and served[1] == len(cases)  # P-unreachable answered, P served every final answer
+    # P-unreachable answered; each failed load was retried with a fresh prefill on P or, where the client
+    # already had the first token from P-unreachable, continued on D alone
+    assert served[0] >= 3 and served[1] + fallbacks == len(cases), (served, fallbacks)
 
 
 def _drain(proxy: ProxyProcess, url: str, timeout_s: float = 90) -> dict[str, Any]:
@@ -179,15 +185,16 @@ def test_every_prefill_dead_decode_computes_prompts_exactly(fleet: Fleet) -> Non
         proxy.wait_ready()
         warm = make_cases(3, seed=75)
         assert not _compare(warm, run_all(proxy.url, warm), expected(fleet.reference, warm))
+        fallbacks0 = proxy_metric(proxy, "kvc_proxy_decode_only_total", mode="fallback")
         for server in (fleet.victim, fleet.unreachable):
             os.killpg(server.pgid, signal.SIGKILL)
             server.stop()
         got = run_all(proxy.url, cases)
-        fallbacks = proxy_metric(proxy, "kvc_proxy_decode_only_total", mode="fallback")
+        fallbacks = proxy_metric(proxy, "kvc_proxy_decode_only_total", mode="fallback") - fallbacks0
         health = proxy_health(proxy)
         bad = _compare(cases, got, want)
         assert not bad, bad[:4]
-        assert fallbacks == len(cases), fallbacks  # the warm-up's failed loads were retried on P-victim
+        assert fallbacks == len(cases), fallbacks
         assert health["status"] == "ok"
         deadline = time.monotonic() + 15
         while any(b["healthy"] for b in proxy_health(proxy)["prefill"]) and time.monotonic() < deadline:
