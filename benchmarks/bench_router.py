@@ -73,12 +73,12 @@ def mean_ms(samples: Sequence[float]) -> float:
 class Fleet:
     """2 P, 2 D and a colocated server on one model; proxies in front of them, one per configuration."""
 
-    def __init__(self, variant: str, longest: int, max_tokens: int) -> None:
+    def __init__(self, variant: str, longest: int, max_tokens: int, n_prefill: int = 2, n_decode: int = 2) -> None:
         model = build_tiny_model(variant=variant)
         settings = settings_for(model, variant, longest, max_tokens, concurrency=8)
         kw = settings.server_kwargs()
-        self.prefill = [pd_server(model, "kv_producer", form=MODULE_FORM, name=f"P{i}", **kw) for i in (1, 2)]
-        self.decode = [pd_server(model, "kv_consumer", form=ENTRY_POINT_FORM, name=f"D{i}", **kw) for i in (1, 2)]
+        self.prefill = [pd_server(model, "kv_producer", form=MODULE_FORM, name=f"P{i}", **kw) for i in range(1, n_prefill + 1)]
+        self.decode = [pd_server(model, "kv_consumer", form=ENTRY_POINT_FORM, name=f"D{i}", **kw) for i in range(1, n_decode + 1)]
         self.colocated = VllmServer(model, name="colocated", **kw)
 
     def servers(self) -> list[VllmServer]:
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
     longest = max([int(x) for x in args.lengths.split(",")] + [args.context + (args.turn_tokens + 8) * args.turns])
-    fleet = Fleet(args.model_size, longest, 8)
+    fleet = Fleet(args.model_size, longest, 8, args.prefill_servers, args.decode_servers)
     result: dict[str, Any] = {"model_size": args.model_size}
     with contextlib.ExitStack() as stack:
         for server in fleet.servers():
@@ -257,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--model-size", default="tiny", choices=("tiny", "small", "medium"))
+    parser.add_argument("--prefill-servers", type=int, default=2, help="P servers (seed alone: 1 is enough)")
+    parser.add_argument("--decode-servers", type=int, default=2)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--context", type=int, default=192, help="multiturn: tokens of each conversation's opening")

@@ -306,7 +306,7 @@ def test_load_300_requests_at_concurrency_24_no_wrong_answer(xpyd: XPyD) -> None
         f"lease renewals {[s.lease_renewals for s in d_stats]}; errors {errors[:5]}"
     )
     assert not wrong, f"{len(wrong)} answered with tokens other than colocated: {wrong[:3]}"
-    assert len(errors) <= LOAD_REQUESTS * 0.05, errors[:10]
+    assert len(errors) <= LOAD_REQUESTS * 0.01, errors[:10]  # a load failure before the first token is retried
     no_answer = [_log_count(d, "no answer from side channel") - n for d, n in zip(xpyd.decode, no_answer0)]
     assert no_answer == [0, 0], f"handshakes or claims to live producers went unanswered: {no_answer}"
     wait_until(lambda: all(stats(p).held_blocks == 0 for p in xpyd.prefill), 40, "both P to free every block")
