@@ -153,39 +153,52 @@ def multiturn(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def interleaved(
-    paths: dict[str, Callable[[dict[str, Any]], float]], bodies: Sequence[dict[str, Any]], warmup: int
+    paths: dict[str, Callable[[dict[str, Any]], float]], bodies: dict[str, Sequence[dict[str, Any]]], warmup: int
 ) -> dict[str, list[float]]:
-    """Each body through every path in turn (the same machine noise for all); the first `warmup` dropped."""
+    """Request i of every path in turn (the same machine noise for all); the first `warmup` dropped. Each
+    path has its own prompts (same lengths): a prompt another path sent first would be in P's and D's
+    prefix caches."""
     samples: dict[str, list[float]] = {name: [] for name in paths}
-    for i, body in enumerate(bodies):
+    for i in range(len(next(iter(bodies.values())))):
         for name, path in paths.items():
-            value = path(body)
+            value = path(bodies[name][i])
             if i >= warmup:
                 samples[name].append(value)
     return samples
 
 
+def bodies_of(lengths: Sequence[int], seed: int) -> list[dict[str, Any]]:
+    return [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in make_prompts(lengths, seed=seed)]
+
+
 def short(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     limit = args.local_below
-    lengths = [random.Random(3).randrange(4, limit) for _ in range(args.requests + args.warmup)]
-    bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in make_prompts(lengths, seed=5)]
+    rng = random.Random(3)
+    lengths = [rng.randrange(4, limit) for _ in range(args.requests + args.warmup)]
     with (
         fleet.proxy("--local-prefill-below", str(limit)) as local,
         fleet.proxy() as pd,
+        fleet.proxy("--no-first-token-from-prefill") as pd_unseeded,
         httpx.Client(timeout=120) as client,
     ):
-        local.wait_ready()
-        pd.wait_ready()
+        for proxy in (local, pd, pd_unseeded):
+            proxy.wait_ready()
         samples = interleaved(
-            {"local": lambda b: stream_ttft(client, local.url, b)[0], "pd": lambda b: stream_ttft(client, pd.url, b)[0]},
-            bodies,
+            {
+                "local": lambda b: stream_ttft(client, local.url, b)[0],
+                "pd": lambda b: stream_ttft(client, pd.url, b)[0],
+                "pd_unseeded": lambda b: stream_ttft(client, pd_unseeded.url, b)[0],
+            },
+            {"local": bodies_of(lengths, 5), "pd": bodies_of(lengths, 6), "pd_unseeded": bodies_of(lengths, 7)},
             args.warmup,
         )
+    mean = {name: statistics.fmean(v) for name, v in samples.items()}
     return {
         "below_tokens": limit,
         "requests": args.requests,
-        **{f"{name}_ttft_mean_ms": mean_ms(v) for name, v in samples.items()},
-        "ratio_local_vs_pd": statistics.fmean(samples["local"]) / statistics.fmean(samples["pd"]),
+        **{f"{name}_ttft_mean_ms": m * 1e3 for name, m in mean.items()},
+        "ratio_local_vs_pd": mean["local"] / mean["pd"],
+        "ratio_local_vs_pd_unseeded": mean["local"] / mean["pd_unseeded"],
     }
 
 
@@ -193,7 +206,7 @@ def seed(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(7)
     chosen = [rng.choice(lengths) for _ in range(args.requests + args.warmup)]
-    bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in make_prompts(chosen, seed=9)]
+    mine = bodies_of(chosen, 9)  # the colocated server gets the seeded path's prompts: outputs compared
     outputs: dict[str, list[list[int]]] = {"seeded": [], "unseeded": [], "colocated": []}
 
     def path(name: str, url: str, client: httpx.Client) -> Callable[[dict[str, Any]], float]:
@@ -217,7 +230,7 @@ def seed(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
                 "unseeded": path("unseeded", unseeded.url, client),
                 "colocated": path("colocated", fleet.colocated.url, client),
             },
-            bodies,
+            {"seeded": mine, "unseeded": bodies_of(chosen, 10), "colocated": mine},
             args.warmup,
         )
         seeded_count = labelled(seeded.url, 'kvc_proxy_first_token_total{result="seeded"}')
@@ -229,7 +242,7 @@ def seed(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         "ratio_seeded_vs_unseeded": mean["seeded"] / mean["unseeded"],
         "ratio_seeded_vs_colocated": mean["seeded"] / mean["colocated"],
         "ratio_unseeded_vs_colocated": mean["unseeded"] / mean["colocated"],
-        "outputs_equal": outputs["seeded"] == outputs["colocated"] == outputs["unseeded"],
+        "outputs_equal": outputs["seeded"] == outputs["colocated"],
         "first_token_counted": seeded_count,
     }
 
@@ -289,8 +302,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "short" in result:
         s = result["short"]
         print(
-            f"short prompts (< {s['below_tokens']} tokens): TTFT D alone {s['local_ttft_mean_ms']:.1f} ms, "
-            f"P/D {s['pd_ttft_mean_ms']:.1f} ms, ratio {s['ratio_local_vs_pd']:.2f}"
+            f"short prompts (< {s['below_tokens']} tokens): TTFT D alone {s['local_ttft_mean_ms']:.1f} ms, P/D "
+            f"{s['pd_ttft_mean_ms']:.1f} ms (without first token from P {s['pd_unseeded_ttft_mean_ms']:.1f} ms); "
+            f"ratios {s['ratio_local_vs_pd']:.2f}, {s['ratio_local_vs_pd_unseeded']:.2f}"
         )
     if "seed" in result:
         s = result["seed"]

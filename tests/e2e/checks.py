@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
+
+import httpx
 
 from kv_connectors.layout import reader_count, source_ranks
 from kvc_testing.cluster import (
@@ -53,6 +56,26 @@ LENGTHS = [
 PROMPTS = make_prompts(LENGTHS, seed=1)
 
 
+# Streamed through the proxy too (first token from prefill: D's prompt is P's plus P's first token), on
+# and around block boundaries; their own tokens, so that no server has them cached.
+STREAMED_LENGTHS = [1, 31, 32, 33, 64, 65, 200]
+
+
+def streamed_ids(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """A streamed greedy completion's output token ids (the first one from P where the proxy seeds)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
+    ids: list[int] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()[:300]
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for choice in event["choices"]:
+                    ids += choice.get("token_ids") or []
+    return ids
+
+
 def fresh_prompts(seed: int) -> list[list[int]]:
     """The same lengths as PROMPTS, other tokens: not in any server's prefix cache yet."""
     return make_prompts(LENGTHS, seed=seed)
@@ -60,8 +83,9 @@ def fresh_prompts(seed: int) -> list[list[int]]:
 
 def assert_pd_matches_colocated(
     reference, prefill_server, decode_server, proxy, prompts=PROMPTS, p_tp: int = 1, d_tp: int = 1
-) -> None:
-    """Every prompt through the proxy equals the colocated run; D loaded each one; P freed all.
+) -> int:
+    """Every prompt through the proxy equals the colocated run (and STREAMED_LENGTHS prompts streamed);
+    D loaded each one; P freed all. Returns how many prompts went through P and D.
 
     A D that already served these prompts has them in its prefix cache and loads fewer blocks:
     give such a D fresh prompts (`fresh_prompts`). p_tp, d_tp: the tensor-parallel sizes (each D
@@ -79,6 +103,17 @@ def assert_pd_matches_colocated(
     got = [output_ids(generate(proxy.url, p, MAX_TOKENS)) for p in prompts]
     mismatches = [(n, e, g) for n, e, g in zip(lengths, expected, got) if e != g]
     assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
+    # Streamed: the proxy's first token from P, D continuing from prompt + that token.
+    streamed = make_prompts(STREAMED_LENGTHS, seed=sum(prompts[0]) + 7919)
+    seeded0 = metric(proxy.url, "kvc_proxy_first_token_total")
+    got_streamed = [streamed_ids(proxy.url, p) for p in streamed]
+    want_streamed = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in streamed]
+    mismatches = [(len(p), e, g) for p, e, g in zip(streamed, want_streamed, got_streamed) if e != g]
+    assert not mismatches, f"streamed PD output differs from colocated (length, expected, got): {mismatches}"
+    params_flow = httpx.get(f"{proxy.url}/health", timeout=10).json()["flow"] == "params"
+    decided = metric(proxy.url, "kvc_proxy_first_token_total") - seeded0
+    assert decided == (len(streamed) if params_flow else 0)  # each one seeded or not (the transfer-id flow: never)
+    prompts, lengths = [*prompts, *streamed], [*lengths, *STREAMED_LENGTHS]
 
     for rank, d0 in enumerate(d_ranks0):
         d1 = stats(decode_server, rank=rank)
@@ -104,6 +139,7 @@ def assert_pd_matches_colocated(
         "P's /metrics to count every completed send",
     )
     assert metric(prefill_server.url, "kvc:held_blocks") == 0
+    return len(prompts)
 
 
 def assert_foreign_kv_changes_output(reference, perturbed_producer, decode_server) -> None:

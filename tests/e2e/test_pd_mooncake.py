@@ -55,8 +55,8 @@ def mc_proxy(mc_prefill, mc_decode) -> Iterator[ProxyProcess]:
 
 def test_mooncake_push_greedy_equals_colocated(reference, mc_prefill, mc_decode, mc_proxy):
     p0 = stats(mc_prefill)
-    assert_pd_matches_colocated(reference, mc_prefill, mc_decode, mc_proxy)
-    assert stats(mc_prefill).pushes - p0.pushes == len(PROMPTS), "P did not write the blocks"
+    sent = assert_pd_matches_colocated(reference, mc_prefill, mc_decode, mc_proxy)
+    assert stats(mc_prefill).pushes - p0.pushes == sent, "P did not write the blocks"
 
 
 def test_mooncake_transfer_id_flow_through_proxy_and_layerwise_push(reference, mc_prefill, mc_decode):
@@ -70,8 +70,8 @@ def test_mooncake_transfer_id_flow_through_proxy_and_layerwise_push(reference, m
     ) as proxy:
         proxy.wait_ready()
         p0 = stats(mc_prefill)
-        assert_pd_matches_colocated(reference, mc_prefill, mc_decode, proxy, prompts=fresh_prompts(12))
-        assert stats(mc_prefill).pushes - p0.pushes == len(PROMPTS), "P did not push every prompt"
+        sent = assert_pd_matches_colocated(reference, mc_prefill, mc_decode, proxy, prompts=fresh_prompts(12))
+        assert stats(mc_prefill).pushes - p0.pushes == sent, "P did not push every prompt"
     assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[-4:], d_first=True)
 
 

@@ -101,8 +101,8 @@ def test_prefill_tp2_to_decode_tp1_push(reference, tiny_model, tp_prefill):
         proxy.wait_ready()
         p0 = [stats(tp_prefill, rank=r).pushes for r in range(TP)]
         prompts = fresh_prompts(34)
-        assert_pd_matches_colocated(reference, tp_prefill, d, proxy, prompts=prompts, p_tp=TP, d_tp=1)
-        assert [stats(tp_prefill, rank=r).pushes - p0[r] for r in range(TP)] == [len(prompts)] * TP
+        sent = assert_pd_matches_colocated(reference, tp_prefill, d, proxy, prompts=prompts, p_tp=TP, d_tp=1)
+        assert [stats(tp_prefill, rank=r).pushes - p0[r] for r in range(TP)] == [sent] * TP
 
 
 def test_tp2_transfer_id_flow_with_layerwise_push(reference, tp_prefill, tp_decode):
