@@ -52,8 +52,8 @@ def request_seedable(route: str, body: dict[str, Any]) -> bool:
     if route not in (COMPLETIONS, CHAT) or body.get("stream") is not True:
         return False
     for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] not in neutral:
-            return False
+        if name in body and not any(type(body[name]) is type(n) and body[name] == n for n in neutral):
+            return False  # by type too: completions' logprobs=0 (the sampled token's) is not False
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         return False

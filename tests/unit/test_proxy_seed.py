@@ -189,6 +189,8 @@ async def test_answers_that_cannot_seed_take_the_usual_flow(answer: Any) -> None
         {"stream": False},
         {"stop": ["x"]},
         {"logprobs": 2},
+        {"logprobs": 0},
+        {"best_of": True},
         {"presence_penalty": 0.5},
         {"max_tokens": 1},
         {"echo": True},
