@@ -234,8 +234,9 @@ class PairRunner:
                 self._prefill_failed(p, failure, a)
                 continue
             if seed:
-                first = seeding.first_token(self.route, answer) if kv_params is not None else None
-                self.ctx.metrics.first_token.labels("seeded" if first else "answer_not_seedable").inc()
+                first = seeding.first_token(self.route, answer) if seeding.prefill_can_seed(kv_params) else None
+                result = "seeded" if first else "answer_not_seedable" if seeding.prefill_can_seed(kv_params) else "no_prompt_digest"
+                self.ctx.metrics.first_token.labels(result).inc()
                 if first is not None:
                     self.trace.seeded = True
                     d_body = seeding.continue_body(self.route, a.sub.body, kv_params, first)

@@ -50,8 +50,8 @@ class ProxyMetrics:
         )
         self.first_token = Counter(
             "kvc_proxy_first_token",
-            "Streamed requests eligible for first token from prefill: seeded, or answer_not_seedable (P stopped, "
-            "or its token is part of a character): D generated from the first token",
+            "Streamed requests eligible for first token from prefill: seeded, answer_not_seedable (P stopped, or its "
+            "token is part of a character) or no_prompt_digest (P's connector does not state one): D generated all",
             ["result"],
             registry=r,
         )
@@ -66,7 +66,7 @@ class ProxyMetrics:
             self.evictions.labels(role)
         for mode in ("local", "fallback"):
             self.decode_only.labels(mode)
-        for result in ("seeded", "answer_not_seedable"):
+        for result in ("seeded", "answer_not_seedable", "no_prompt_digest"):
             self.first_token.labels(result)
         for action in ("add", "remove", "drain", "undrain"):
             self.fleet_changes.labels(action)

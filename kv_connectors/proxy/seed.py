@@ -110,6 +110,17 @@ def first_token(route: str, answer: dict[str, Any]) -> FirstToken | None:
     return FirstToken(token_ids[0], text, list(prompt_ids), str(answer.get("id", "")), answer.get("created"), answer.get("model"))
 
 
+# What our P states with its kv_transfer_params, and what our D checks a longer prompt against. Without it
+# (another connector) D may not take a prompt longer than P's: vLLM 0.32's built-in NixlConnector kills its
+# engine on one (an assertion on the block counts), so such a P never seeds.
+PROMPT_DIGEST_KEY = "remote_prompt_digest"
+
+
+def prefill_can_seed(kv_params: dict[str, Any] | None) -> bool:
+    """Whether P's kv_transfer_params let D continue from a prompt longer than P's (our connector's)."""
+    return isinstance(kv_params, dict) and isinstance(kv_params.get(PROMPT_DIGEST_KEY), str)
+
+
 def _minus_one(body: dict[str, Any], name: str, floor: int) -> None:
     value = body.get(name)
     if isinstance(value, int) and not isinstance(value, bool):

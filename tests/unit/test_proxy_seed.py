@@ -253,3 +253,21 @@ def test_first_token_reads_both_answer_shapes() -> None:
     tool = p_answer("chat")({})
     tool["choices"][0]["message"]["tool_calls"] = [{"id": "x"}]
     assert first_token("/v1/chat/completions", tool) is None
+
+
+async def test_a_prefill_without_a_prompt_digest_never_seeds() -> None:
+    """vLLM's built-in connector states no prompt digest, and its D kills its engine on a prompt longer than
+    P's: such a P's first token is not sent ahead."""
+    fleet = seeded_fleet("cmpl")
+    plain = p_answer("cmpl")
+
+    def without_digest(body: dict[str, Any]) -> dict[str, Any]:
+        return {**plain(body), "kv_transfer_params": KV_FROM_P}
+
+    fleet[P1].answer = without_digest
+    async with running(config(), fleet) as (_, client):
+        await client.post("/v1/completions", json={"prompt": [1, 2], "stream": True, "max_tokens": 4})
+        text = (await client.get("/metrics")).text
+    [d_body] = fleet.bodies("decode")
+    assert d_body["prompt"] == [1, 2] and d_body["max_tokens"] == 4
+    assert metric_value(text, "kvc_proxy_first_token_total", result="no_prompt_digest") == 1
