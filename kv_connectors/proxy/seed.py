@@ -8,7 +8,8 @@ then rewritten so that the client gets what one server would have sent: D's own 
 ids dropped, usage counted against the client's prompt, one response id.
 
 Only where the result is exact: requests whose every option acts per token (no stop strings, no
-presence/frequency penalties, no logprobs, no tools or structured output, no echo, no per-chunk usage), and
+presence/frequency penalties, no prompt logprobs, no tools or structured output, no echo, no per-chunk usage;
+logprobs are P's for the first token, D's after it, completions' text offsets moved past the first token), and
 answers where P stopped because of max_tokens=1 with a first token that is whole text (not part of a
 multi-byte character, not empty). Anything else takes the usual flow (D generates from the first token)."""
 
@@ -24,8 +25,6 @@ from .sse import EventKind, classify_event, event_data, split_events
 # Request fields whose presence (with a value other than these) rules seeding out.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
     "stop": (None, "", []),
     "presence_penalty": (None, 0, 0.0),
@@ -74,6 +73,13 @@ class FirstToken:
     response_id: str
     created: Any
     model: Any
+    logprobs: Any = None  # P's logprobs of the first token, when the request asked for them
+
+    @property
+    def text_offset_shift(self) -> int:
+        """Where D's completions text offsets start: past the first token's (as vLLM counts: its token string)."""
+        tokens = self.logprobs.get("tokens") if isinstance(self.logprobs, dict) else None
+        return len(tokens[0]) if isinstance(tokens, list) and tokens and isinstance(tokens[0], str) else 0
 
 
 def first_token(route: str, answer: dict[str, Any]) -> FirstToken | None:
@@ -107,7 +113,15 @@ def first_token(route: str, answer: dict[str, Any]) -> FirstToken | None:
         return None
     if not isinstance(text, str) or not text or "\ufffd" in text:
         return None
-    return FirstToken(token_ids[0], text, list(prompt_ids), str(answer.get("id", "")), answer.get("created"), answer.get("model"))
+    return FirstToken(
+        token_ids[0],
+        text,
+        list(prompt_ids),
+        str(answer.get("id", "")),
+        answer.get("created"),
+        answer.get("model"),
+        choice.get("logprobs"),
+    )
 
 
 # What our P states with its kv_transfer_params, and what our D checks a longer prompt against. Without it
@@ -153,7 +167,13 @@ def first_events(route: str, body: dict[str, Any], first: FirstToken) -> bytes:
     ids_asked = body.get("return_token_ids") is True
     head = {"id": first.response_id, "created": first.created, "model": first.model}
     if route == COMPLETIONS:
-        choice: dict[str, Any] = {"index": 0, "text": first.text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": first.text,
+            "logprobs": first.logprobs,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
         if ids_asked:
             choice |= {"prompt_token_ids": first.prompt_token_ids, "token_ids": [first.token_id]}
         return _event({**head, "object": "text_completion", "choices": [choice]})
@@ -161,7 +181,7 @@ def first_events(route: str, body: dict[str, Any], first: FirstToken) -> bytes:
     role["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
     if ids_asked:
         role["prompt_token_ids"] = first.prompt_token_ids
-    content: dict[str, Any] = {"index": 0, "delta": {"content": first.text}, "logprobs": None, "finish_reason": None}
+    content: dict[str, Any] = {"index": 0, "delta": {"content": first.text}, "logprobs": first.logprobs, "finish_reason": None}
     if ids_asked:
         content["token_ids"] = [first.token_id]
     return _event(role) + _event({**head, "object": "chat.completion.chunk", "choices": [content]})
@@ -203,6 +223,7 @@ class ContinuationRewriter:
         for choice in obj.get("choices") or []:
             if isinstance(choice, dict):
                 choice.pop("prompt_token_ids", None)
+                _shift_offsets(choice.get("logprobs"), self.first.text_offset_shift)
         usage = obj.get("usage")
         if isinstance(usage, dict):
             _shift_usage(usage)
@@ -213,3 +234,10 @@ def _shift_usage(usage: dict[str, Any]) -> None:
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if isinstance(prompt, int) and isinstance(completion, int):
         usage["prompt_tokens"], usage["completion_tokens"] = prompt - 1, completion + 1
+
+
+def _shift_offsets(logprobs: Any, shift: int) -> None:
+    """Completions' text offsets of D's tokens, counted from the client's first token instead of D's."""
+    offsets = logprobs.get("text_offset") if isinstance(logprobs, dict) else None
+    if shift and isinstance(offsets, list):
+        logprobs["text_offset"] = [o + shift if isinstance(o, int) else o for o in offsets]

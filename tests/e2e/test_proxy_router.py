@@ -4,6 +4,7 @@ requests and gets no new ones, and with every prefill server dead D computes pro
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvc_testing.cluster import MODULE_FORM, ProxyProcess, pd_server, stats
+from kvc_testing.cluster import MODULE_FORM, ProxyProcess, make_prompts, pd_server, stats
 from kvc_testing.procs import VllmServer
 from tests.e2e.conftest import MAX_MODEL_LEN
 from tests.e2e.test_proxy_xpyd import _compare, expected, make_cases, proxy_health, proxy_metric, run_all, run_case
@@ -201,3 +202,62 @@ def test_every_prefill_dead_decode_computes_prompts_exactly(fleet: Fleet) -> Non
             time.sleep(0.2)
         assert not any(b["healthy"] for b in proxy_health(proxy)["prefill"])
         assert run_case(proxy.url, cases[0]).ok
+
+
+def _stream_logprobs(url: str, path: str, body: dict[str, Any]) -> tuple[str, list[Any]]:
+    """A streamed answer's text and its logprob entries in order (completions: one per token with its text
+    offset; chat: the content entries)."""
+    text, entries = "", []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()[:300]
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                lp = choice.get("logprobs")
+                if path.endswith("chat/completions"):
+                    text += (choice.get("delta") or {}).get("content") or ""
+                    entries += (lp or {}).get("content") or []
+                else:
+                    text += choice.get("text") or ""
+                    if lp:
+                        entries += [
+                            (t, round(v, 3), o, {k: round(x, 3) for k, x in (top or {}).items()})
+                            for t, v, o, top in zip(lp["tokens"], lp["token_logprobs"], lp["text_offset"], lp["top_logprobs"])
+                        ]
+    return text, entries
+
+
+def _rounded_chat(entries: list[Any]) -> list[Any]:
+    return [
+        (e["token"], round(e["logprob"], 3), [(t["token"], round(t["logprob"], 3)) for t in e["top_logprobs"]]) for e in entries
+    ]
+
+
+def test_seeded_logprobs_equal_colocated(fleet: Fleet) -> None:
+    """First token from prefill with logprobs asked: P's for the first token, D's after it (completions'
+    text offsets moved past the first token), as one colocated server streams them."""
+    prompts = make_prompts([40, 90, 150, 260], seed=76)
+    with fleet.proxy([fleet.p]) as proxy:
+        proxy.wait_ready()
+        seeded0 = proxy_metric(proxy, "kvc_proxy_first_token_total", result="seeded")
+        for i, prompt in enumerate(prompts):
+            cmpl = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+            assert _stream_logprobs(proxy.url, "/v1/completions", cmpl) == _stream_logprobs(
+                fleet.reference.url, "/v1/completions", cmpl
+            )
+            words = " ".join(["garden", "river", "stone", "light"][j % 4] for j in range(10 + 15 * i))
+            chat = {
+                "messages": [{"role": "user", "content": words}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 2,
+            }
+            got_text, got = _stream_logprobs(proxy.url, "/v1/chat/completions", chat)
+            want_text, want = _stream_logprobs(fleet.reference.url, "/v1/chat/completions", chat)
+            assert (got_text, _rounded_chat(got)) == (want_text, _rounded_chat(want))
+        seeded = proxy_metric(proxy, "kvc_proxy_first_token_total", result="seeded") - seeded0
+    assert seeded >= 4, seeded  # most of the 8 streams had their first token from P

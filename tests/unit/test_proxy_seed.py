@@ -188,8 +188,7 @@ async def test_answers_that_cannot_seed_take_the_usual_flow(answer: Any) -> None
     [
         {"stream": False},
         {"stop": ["x"]},
-        {"logprobs": 2},
-        {"logprobs": 0},
+        {"prompt_logprobs": 1},
         {"best_of": True},
         {"presence_penalty": 0.5},
         {"max_tokens": 1},
@@ -271,3 +270,50 @@ async def test_a_prefill_without_a_prompt_digest_never_seeds() -> None:
     [d_body] = fleet.bodies("decode")
     assert d_body["prompt"] == [1, 2] and d_body["max_tokens"] == 4
     assert metric_value(text, "kvc_proxy_first_token_total", result="no_prompt_digest") == 1
+
+
+async def test_logprobs_are_p_s_for_the_first_token_and_d_s_after_it() -> None:
+    """Completions: D's text offsets start past the first token (vLLM counts its token string)."""
+    fleet = Fleet()
+    plain = p_answer("cmpl")
+    first_lp = {"text_offset": [0], "token_logprobs": [-0.5], "tokens": ["Hel"], "top_logprobs": [{"Hel": -0.5, "x": -2.0}]}
+
+    def with_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+        assert body["logprobs"] == 1
+        answer = plain(body)
+        answer["choices"][0]["logprobs"] = first_lp
+        return answer
+
+    fleet[P1].answer = with_logprobs
+    d_lp = {
+        "text_offset": [0, 2],
+        "token_logprobs": [-0.1, -0.2],
+        "tokens": ["lo", "!"],
+        "top_logprobs": [{"lo": -0.1}, {"!": -0.2}],
+    }
+    chunk = {"id": "cmpl-d", "choices": [{"index": 0, "text": "lo!", "logprobs": d_lp, "finish_reason": "length"}]}
+    fleet[D1].stream_factory = lambda: ChunkStream([sse(chunk), DONE])
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/completions", json={"prompt": [1, 2], "stream": True, "max_tokens": 3, "logprobs": 1})
+    got = events(resp.content)
+    assert got[0]["choices"][0]["logprobs"] == first_lp
+    assert got[1]["choices"][0]["logprobs"]["text_offset"] == [3, 5]  # 0 and 2, past "Hel"
+    assert got[1]["choices"][0]["logprobs"]["tokens"] == ["lo", "!"]
+
+
+async def test_chat_logprobs_of_the_first_token_come_from_p() -> None:
+    fleet = seeded_fleet("chat")
+    plain = p_answer("chat")
+    lp = {"content": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108], "top_logprobs": []}]}
+
+    def with_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+        answer = plain(body)
+        answer["choices"][0]["logprobs"] = lp
+        return answer
+
+    fleet[P1].answer = with_logprobs
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True, "logprobs": True}
+    async with running(config(), fleet) as (_, client):
+        resp = await client.post("/v1/chat/completions", json=body)
+    got = events(resp.content)
+    assert got[0]["choices"][0]["logprobs"] is None and got[1]["choices"][0]["logprobs"] == lp
