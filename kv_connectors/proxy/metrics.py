@@ -30,7 +30,8 @@ class ProxyMetrics:
         )
         self.decode_only = Counter(
             "kvc_proxy_decode_only",
-            "Prompts D computed without a prefill server: local (short prompt) or fallback (no prefill server left)",
+            "Prompts D computed without a prefill server: local (short prompt) or fallback (no prefill server left, "
+            "or P's KV lost after P's first token went to the client)",
             ["mode"],
             registry=r,
         )
