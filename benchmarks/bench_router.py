@@ -167,6 +167,14 @@ def interleaved(
     return samples
 
 
+def ttft_ratios(samples: dict[str, list[float]], *pairs: tuple[str, str]) -> dict[str, Any]:
+    """Each path's mean TTFT and the ratio of the means of each (path, baseline) pair."""
+    mean = {name: statistics.fmean(v) for name, v in samples.items()}
+    out: dict[str, Any] = {"requests": len(next(iter(samples.values())))}
+    out |= {f"{name}_ttft_mean_ms": m * 1e3 for name, m in mean.items()}
+    return out | {f"ratio_{a}_vs_{b}": mean[a] / mean[b] for a, b in pairs}
+
+
 def bodies_of(lengths: Sequence[int], seed: int) -> list[dict[str, Any]]:
     return [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in make_prompts(lengths, seed=seed)]
 
@@ -192,14 +200,7 @@ def short(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
             {"local": bodies_of(lengths, 5), "pd": bodies_of(lengths, 6), "pd_unseeded": bodies_of(lengths, 7)},
             args.warmup,
         )
-    mean = {name: statistics.fmean(v) for name, v in samples.items()}
-    return {
-        "below_tokens": limit,
-        "requests": args.requests,
-        **{f"{name}_ttft_mean_ms": m * 1e3 for name, m in mean.items()},
-        "ratio_local_vs_pd": mean["local"] / mean["pd"],
-        "ratio_local_vs_pd_unseeded": mean["local"] / mean["pd_unseeded"],
-    }
+    return {"below_tokens": limit, **ttft_ratios(samples, ("local", "pd"), ("local", "pd_unseeded"))}
 
 
 def seed(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
@@ -234,14 +235,9 @@ def seed(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
             args.warmup,
         )
         seeded_count = labelled(seeded.url, 'kvc_proxy_first_token_total{result="seeded"}')
-    mean = {name: statistics.fmean(v) for name, v in samples.items()}
     return {
         "lengths": lengths,
-        "requests": args.requests,
-        **{f"{name}_ttft_mean_ms": m * 1e3 for name, m in mean.items()},
-        "ratio_seeded_vs_unseeded": mean["seeded"] / mean["unseeded"],
-        "ratio_seeded_vs_colocated": mean["seeded"] / mean["colocated"],
-        "ratio_unseeded_vs_colocated": mean["unseeded"] / mean["colocated"],
+        **ttft_ratios(samples, ("seeded", "unseeded"), ("seeded", "colocated"), ("unseeded", "colocated")),
         "outputs_equal": outputs["seeded"] == outputs["colocated"],
         "first_token_counted": seeded_count,
     }
