@@ -87,9 +87,6 @@ class BackendPool:
         self.prefix_settings = prefix or PrefixSettings()
         self.backends = tuple(self._backend(s) for s in specs)
         self._cursor = 0
-        for b in self.backends:
-            metrics.backend_healthy.labels(role.value, b.url).set(1)
-            metrics.backend_draining.labels(role.value, b.url).set(0)
 
     def any_healthy(self) -> bool:
         """Whether any backend may take a new request (healthy and not draining)."""
@@ -98,17 +95,20 @@ class BackendPool:
     def has_candidate(self, exclude: Collection[Backend] = ()) -> bool:
         return any(b.available and b not in exclude for b in self.backends)
 
+    def _in_turn(self, exclude: Collection[Backend] = ()) -> list[Backend]:
+        """The available backends not in `exclude`, in round-robin order from the cursor."""
+        n = len(self.backends)
+        order = (self.backends[(self._cursor + i) % n] for i in range(n))
+        return [b for b in order if b.available and b not in exclude]
+
     def peek(self) -> Backend | None:
         """The backend pick() would choose by round robin, without choosing it."""
-        n = len(self.backends)
-        return next((b for i in range(n) if (b := self.backends[(self._cursor + i) % n]).available), None)
+        return next(iter(self._in_turn()), None)
 
     def pick(self, exclude: Collection[Backend] = (), key: PromptKey | None = None) -> Backend | None:
         """An available backend not in `exclude`, by policy (`key`: the prompt, for the prefix policy);
         None when there is none."""
-        n = len(self.backends)
-        order = [self.backends[(self._cursor + i) % n] for i in range(n)]
-        candidates = [b for b in order if b.available and b not in exclude]
+        candidates = self._in_turn(exclude)
         if not candidates:
             return None
         if self.policy is Policy.PREFIX and key is not None and key.hashes:
@@ -117,7 +117,7 @@ class BackendPool:
             chosen = candidates[0]
         else:  # least outstanding; a prefix policy without a key
             chosen = min(candidates, key=lambda b: b.outstanding)  # ties: round-robin order
-        self._cursor = (self.backends.index(chosen) + 1) % n
+        self._cursor = (self.backends.index(chosen) + 1) % len(self.backends)
         return chosen
 
     def _by_prefix(self, candidates: list[Backend], key: PromptKey) -> Backend:
@@ -155,15 +155,16 @@ class BackendPool:
         return next((b for b in self.backends if b.url == url), None)
 
     def _backend(self, spec: BackendSpec) -> Backend:
+        """A backend of this pool (healthy, not draining: its gauges say so from now on)."""
         prefix = PrefixCache(self.prefix_settings.capacity) if self.policy is Policy.PREFIX else None
+        self.metrics.backend_healthy.labels(self.role.value, spec.url).set(1)
+        self.metrics.backend_draining.labels(self.role.value, spec.url).set(0)
         return Backend(self.role, spec.url, spec.side_channel, prefix=prefix)
 
     def add(self, spec: BackendSpec) -> Backend:
         """A new backend, in rotation at once (the health checker checks it from its next round)."""
         backend = self._backend(spec)
         self.backends = (*self.backends, backend)
-        self.metrics.backend_healthy.labels(self.role.value, backend.url).set(1)
-        self.metrics.backend_draining.labels(self.role.value, backend.url).set(0)
         logger.info("%s %s added", self.role.value, backend.url)
         return backend
 

@@ -10,6 +10,7 @@ from typing import Any
 from .config import SideChannel
 from .errors import bad_request
 from .prefix import PromptKey, prompt_key
+from .sse import split_events
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -140,11 +141,17 @@ def prompt_token_ids(route: str, answer: dict[str, Any]) -> list[int] | None:
     return ids if _is_token_ids(ids) else None
 
 
+def decode_only_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's body without any kv_transfer_params of the client's: D computing the prompt itself, and
+    what every other D body starts from."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
 def decode_body_params(
     route: str, body: dict[str, Any], kv_params: dict[str, Any] | None, token_ids: list[int] | None
 ) -> dict[str, Any]:
     """The D request of the params flow: the client's body plus P's kv_transfer_params (and token ids)."""
-    d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    d_body = decode_only_body(body)
     if kv_params is not None:
         d_body["kv_transfer_params"] = dict(kv_params)
     if token_ids is not None:
@@ -155,18 +162,13 @@ def decode_body_params(
     return d_body
 
 
-def decode_only_body(body: dict[str, Any]) -> dict[str, Any]:
-    """D computing the prompt itself: the client's body, without any kv_transfer_params of the client's."""
-    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
-
-
 def transfer_prefill_params(transfer_id: str) -> dict[str, Any]:
     return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
 
 
 def transfer_decode_body(body: dict[str, Any], transfer_id: str, side_channel: SideChannel) -> dict[str, Any]:
     """The D request of the transfer-id flow: the client's body addressed to P's side channel."""
-    d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    d_body = decode_only_body(body)
     d_body["kv_transfer_params"] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -212,8 +214,7 @@ class SseReindexer:
         self.usage_chunk: dict[str, Any] | None = None
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        self._buffer += chunk
-        *events, self._buffer = self._buffer.split(b"\n\n")
+        events, self._buffer = split_events(self._buffer + chunk)
         return [out for event in events if (out := self._event(event)) is not None]
 
     def flush(self) -> list[bytes]:

@@ -266,7 +266,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     try:
         return ProxyConfig(
             prefill=tuple(_prefill_spec(v) for v in args.prefill),
-            decode=tuple(BackendSpec(normalize_url(u)) for u in args.decode),
+            decode=tuple(backend_spec(Role.DECODE, u) for u in args.decode),
             host=args.host,
             port=args.port,
             flow=Flow(args.flow),

@@ -208,11 +208,15 @@ class PairRunner:
 
     # -- D alone: a short prompt (LOCAL), or no P left (FALLBACK) --
 
-    async def _decode_only(self, a: _Attempt, mode: Mode) -> Answer:
+    def _alone(self, mode: Mode, why: str) -> None:
+        """From here D computes the prompt itself (`why`, logged for a fallback): counted and traced."""
         self.trace.mode = mode
         self.ctx.metrics.decode_only.labels(mode.value).inc()
         if mode is Mode.FALLBACK:
-            logger.warning("request %s: no prefill server left; decode computes the prompt", self.trace.request_id)
+            logger.warning("request %s: %s; decode computes the prompt", self.trace.request_id, why)
+
+    async def _decode_only(self, a: _Attempt, mode: Mode) -> Answer:
+        self._alone(mode, "no prefill server left")
         d_body = bodies.decode_only_body(a.sub.body)
         while True:
             d = self._pick(Role.DECODE, a)
@@ -234,8 +238,7 @@ class PairRunner:
                 self._prefill_failed(p, failure, a)
                 continue
             if seed:
-                first = seeding.first_token(self.route, answer) if seeding.prefill_can_seed(kv_params) else None
-                result = "seeded" if first else "answer_not_seedable" if seeding.prefill_can_seed(kv_params) else "no_prompt_digest"
+                first, result = seeding.decide(self.route, answer, kv_params)
                 self.ctx.metrics.first_token.labels(result).inc()
                 if first is not None:
                     self.trace.seeded = True
@@ -282,8 +285,7 @@ class PairRunner:
                 self._decode_failed(d, failure, a, s.p)
                 if failure.kind is not FailureKind.NOT_REACHED and "kv_transfer_params" in body:
                     body = seeding.continue_body(self.route, a.sub.body, None, s.first)
-                    self.trace.mode = Mode.FALLBACK
-                    self.ctx.metrics.decode_only.labels(Mode.FALLBACK.value).inc()
+                    self._alone(Mode.FALLBACK, "P's KV may be lost after its first token went out")
                 continue
             assert isinstance(answer, OpenStream)  # seeding is for streamed requests
             return answer

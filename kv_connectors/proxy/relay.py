@@ -59,15 +59,25 @@ class RelayResponse(StreamingResponse):
         return sse_error(status, f"{failure} mid-stream", "upstream_timeout" if status == 504 else "upstream_error")
 
     async def _relay_one(self) -> AsyncGenerator[bytes, None]:
-        stream = self._streams[0]
-        self._trace.outcome = Outcome.CLIENT_DISCONNECTED  # unless the loop ends by itself or [DONE] went out
+        self._trace.outcome = Outcome.CLIENT_DISCONNECTED  # unless the stream ends by itself or [DONE] went out
+        async for out in self._relay_stream(self._streams[0]):
+            yield out
+
+    async def _relay_stream(self, stream: OpenStream, rewriter: ContinuationRewriter | None = None) -> AsyncGenerator[bytes, None]:
+        """One D stream to the client (through `rewriter` when given); the outcome OK once it ended or [DONE]
+        went out, a mid-stream failure as an SSE error event."""
         done = DoneSeen()
         try:
             async for chunk in stream.rest():
-                yield chunk
-                done.feed(chunk)
-                if done.seen:  # the client has the whole answer: closing now is not a disconnect
-                    self._trace.outcome = Outcome.OK
+                out = chunk if rewriter is None else rewriter.feed(chunk)
+                if out:
+                    yield out
+                    done.feed(out)
+                    if done.seen:  # the client has the whole answer: closing now is not a disconnect
+                        self._trace.outcome = Outcome.OK
+            tail = b"" if rewriter is None else rewriter.flush()
+            if tail:
+                yield tail
         except httpx.HTTPError as exc:
             yield self._mid_stream_failure(stream, exc)
         else:
@@ -144,19 +154,5 @@ class SeededRelayResponse(RelayResponse):
             yield sse_error(exc.status, f"{exc.message} (after the first token)", exc.err_type)
             return
         self._streams.append(stream)
-        done = DoneSeen()
-        try:
-            async for chunk in stream.rest():
-                out = self._rewriter.feed(chunk)
-                if out:
-                    yield out
-                    done.feed(out)
-                    if done.seen:
-                        self._trace.outcome = Outcome.OK
-            tail = self._rewriter.flush()
-            if tail:
-                yield tail
-        except httpx.HTTPError as exc:
-            yield self._mid_stream_failure(stream, exc)
-        else:
-            self._trace.outcome = Outcome.OK
+        async for out in self._relay_stream(stream, self._rewriter):
+            yield out

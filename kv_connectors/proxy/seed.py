@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .bodies import CHAT, COMPLETIONS
-from .sse import EventKind, classify_event, event_data, split_events
+from .bodies import CHAT, COMPLETIONS, decode_only_body
+from .sse import EventKind, parse_event, split_events
 
 # Request fields whose presence (with a value other than these) rules seeding out.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -135,6 +135,14 @@ def prefill_can_seed(kv_params: dict[str, Any] | None) -> bool:
     return isinstance(kv_params, dict) and isinstance(kv_params.get(PROMPT_DIGEST_KEY), str)
 
 
+def decide(route: str, answer: dict[str, Any], kv_params: dict[str, Any] | None) -> tuple[FirstToken | None, str]:
+    """P's first token when it can seed D, and the result to count (kvc_proxy_first_token_total)."""
+    if not prefill_can_seed(kv_params):
+        return None, "no_prompt_digest"
+    first = first_token(route, answer)
+    return first, "seeded" if first is not None else "answer_not_seedable"
+
+
 def _minus_one(body: dict[str, Any], name: str, floor: int) -> None:
     value = body.get(name)
     if isinstance(value, int) and not isinstance(value, bool):
@@ -144,7 +152,7 @@ def _minus_one(body: dict[str, Any], name: str, floor: int) -> None:
 def continue_body(route: str, body: dict[str, Any], kv_params: dict[str, Any] | None, first: FirstToken) -> dict[str, Any]:
     """D's request: the client's, from prompt + the first token, one token fewer to generate; with P's
     kv_transfer_params (None: D computes the prompt itself, e.g. a retry after P's KV was lost)."""
-    d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    d_body = decode_only_body(body)
     ids = [*first.prompt_token_ids, first.token_id]
     for name in ("max_tokens", "max_completion_tokens"):
         _minus_one(d_body, name, 1)
@@ -205,18 +213,11 @@ class ContinuationRewriter:
         return self._rewrite(rest) if rest.strip() else b""
 
     def _rewrite(self, event: bytes) -> bytes:
-        kind = classify_event(event)
-        if kind is EventKind.PREAMBLE:
-            return b"" if event_data(event) is not None else event + b"\n\n"
-        payload = event_data(event)
-        if kind is not EventKind.OUTPUT or payload is None:
-            return event + b"\n\n"
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            return event + b"\n\n"
-        if not isinstance(obj, dict):
-            return event + b"\n\n"
+        kind, obj = parse_event(event)
+        if kind is EventKind.PREAMBLE and obj is not None:
+            return b""  # D's role chunk: the client had it with the first token
+        if kind is not EventKind.OUTPUT or not isinstance(obj, dict):
+            return event + b"\n\n"  # comments, [DONE], errors, what we cannot read: as they are
         if "id" in obj:
             obj["id"] = self.first.response_id
         obj.pop("prompt_token_ids", None)

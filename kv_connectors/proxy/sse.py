@@ -45,21 +45,26 @@ def _is_preamble_choice(choice: Any) -> bool:
     )
 
 
-def classify_event(event: bytes) -> EventKind:
+def parse_event(event: bytes) -> tuple[EventKind, Any]:
+    """What an event is, and its data parsed (None: no data, [DONE], or not JSON)."""
     payload = event_data(event)
     if payload is None:
-        return EventKind.PREAMBLE
+        return EventKind.PREAMBLE, None
     if payload == b"[DONE]":
-        return EventKind.DONE
+        return EventKind.DONE, None
     obj = _json(payload)
     if not isinstance(obj, dict):
-        return EventKind.OUTPUT
+        return EventKind.OUTPUT, obj
     choices = obj.get("choices")
     if "error" in obj and not choices:
-        return EventKind.ERROR
+        return EventKind.ERROR, obj
     if isinstance(choices, list) and choices and all(_is_preamble_choice(c) for c in choices):
-        return EventKind.PREAMBLE
-    return EventKind.OUTPUT
+        return EventKind.PREAMBLE, obj
+    return EventKind.OUTPUT, obj
+
+
+def classify_event(event: bytes) -> EventKind:
+    return parse_event(event)[0]
 
 
 def error_message(event: bytes) -> str:
