@@ -171,6 +171,12 @@ CONFIGS: dict[str, PdConfig] = {
             proxy_args=("--no-first-token-from-prefill",),
         ),
         PdConfig(
+            "ours-nixl-pull-spinning",
+            "our NixlConnector, pull, with idle_wait_ms 0: vLLM's empty steps back to back, as without our pacing",
+            lambda s: _ours(MODULE_FORM, {"idle_wait_ms": 0}, {"mode": "pull", "idle_wait_ms": 0}, s),
+            "connector",
+        ),
+        PdConfig(
             "ours-nixl-push",
             "our NixlConnector, P writes into D's blocks",
             lambda s: _ours(MODULE_FORM, {}, {"mode": "push"}, s),

@@ -78,6 +78,9 @@ class ConnectorConfig:
     staging_chunk_kib: int = 4096  # parse_config: min(4096, staging_pool_kib // 8) unless set
     # P, transfer-id flow: write each layer's blocks to a waiting D as soon as the layer is computed.
     layerwise: bool = True
+    # The longest wait after a vLLM step that scheduled no token and finished no transfer, before the
+    # next (kv_connectors.idle); 0: vLLM steps back to back, spinning a core.
+    idle_wait_ms: float = 2.0
 
     @property
     def bind_host(self) -> str:
@@ -90,12 +93,21 @@ class ConnectorConfig:
 
 # Keys users may set in kv_connector_extra_config, with their checker.
 _NIXL_BACKENDS = ("UCX",)
+MAX_IDLE_WAIT_MS = 100.0  # a new request may wait this long for an idle step to end
 DEFAULT_CHUNK_KIB = 4096  # staging chunk when not set: this, or pool / 8 for pools under 32 MiB
 
 
 def _positive_float(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _idle_wait_ms(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_IDLE_WAIT_MS:
+        raise ConfigError(
+            f"kv_connector_extra_config[{key!r}] must be a number of milliseconds in 0..{MAX_IDLE_WAIT_MS:g}, got {value!r}"
+        )
     return float(value)
 
 
@@ -169,6 +181,7 @@ _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
     "staging_pool_kib": _positive_int,
     "staging_chunk_kib": _positive_int,
     "layerwise": _bool,
+    "idle_wait_ms": _idle_wait_ms,
 }
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))

@@ -63,6 +63,9 @@ class Counters(msgspec.Struct, frozen=True):
     lease_renewals: Annotated[
         int, _counter("Prefill leases this (decode) instance kept alive for requests waiting in its queue.")
     ] = 0
+    idle_steps: Annotated[
+        int, _counter("Engine steps that scheduled no token while requests waited on the connector (each may wait briefly).")
+    ] = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,6 +132,10 @@ class Receiver:
         elif task.phase is RecvPhase.TRANSFER:
             self._advance_transfer(task, now)
 
+    def polling(self) -> bool:
+        """A transfer is in flight: a posted read, or P's write awaited (seen only by polling)."""
+        return any(task.phase is RecvPhase.TRANSFER for task in self._tasks.values())
+
     def on_done_notice(self, request_id: str, error: str, runs: int = 0) -> bool:
         """P's notification that it wrote (or failed to write) a push request's blocks.
 

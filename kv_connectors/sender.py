@@ -162,6 +162,10 @@ class Sender:
             self._cancelled[key] = (reason, now)
             self.leases.notice(key, now)
 
+    def polling(self) -> bool:
+        """A write is in flight or follows this step's forward pass (its completion is polled)."""
+        return bool(self._writing or self._layerwise)
+
     def take_requests(self) -> None:
         """Act on what the side channel queued (handshakes connect consumers, push requests wait for
         their lease). The worker calls this before reading the transport's notifications, so that a

@@ -64,3 +64,5 @@ class StepMetadata:
     # side-channel key, the key P holds the blocks under, P's TP size if stated); and those that left the queue.
     renew_start: dict[str, tuple[tuple[str, str, int], str, int | None]] = dataclasses.field(default_factory=dict)
     renew_stop: set[str] = dataclasses.field(default_factory=set)
+    # The step schedules no token: the worker may wait briefly for its next event (kv_connectors.idle).
+    idle: bool = False

@@ -19,6 +19,7 @@ from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, Staging
 from kv_connectors.counters import Phase
 from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError, TransportError
+from kv_connectors.idle import IdlePacer
 from kv_connectors.layout import KVLayout, reader_count, source_ranks
 from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.receiver import Receiver
@@ -32,6 +33,8 @@ from kv_connectors.transports.staging import StagedTransport
 logger = logging.getLogger(__name__)
 _limited = RateLimitedLog(logger)
 _P_TP_TTL_S = 60.0  # how long a producer's TP size, asked once, is trusted (a restart may change it)
+# The longest wait after an empty step while a transfer is in flight (its completion is polled).
+POLL_WAIT_S = 0.0005
 
 TransportFactory = Callable[[str], Transport]
 
@@ -44,6 +47,24 @@ class Server(Protocol):
 
 # (bind host, port, compat hash, handler, max message bytes, shared secret) -> a listening server
 ServerFactory = Callable[[str, int, str, Callable[[wire.Body], wire.Body], int, bytes | None], Server]
+
+
+class _WakingClient:
+    """The side-channel client whose every answer (or failure) wakes the engine's idle wait."""
+
+    def __init__(self, inner: sidechannel.Client, wake: Callable[[], None]) -> None:
+        self._inner = inner
+        self._wake = wake
+
+    def submit(
+        self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
+    ) -> concurrent.futures.Future[wire.Body]:
+        future = self._inner.submit(host, port, body, compat_hash, timeout_s)
+        future.add_done_callback(lambda _f: self._wake())
+        return future
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 class WorkerEngine:
@@ -62,12 +83,18 @@ class WorkerEngine:
         client: sidechannel.Client | None = None,
         clock: Callable[[], float] = time.monotonic,
         tp_size: int = 1,
+        idle_wait: Callable[[float], bool] | None = None,
     ) -> None:
+        """idle_wait: the blocking wait of an empty step (kv_connectors.idle; tests record it)."""
         self._cfg = cfg
         self._tp_size = tp_size
         self.epoch = uuid.uuid4().hex[:16]  # this start of the engine: peers tell restarts apart by it
         self._serve = serve
-        self._client: sidechannel.Client = client or sidechannel.SideChannelClient(secret=cfg.side_channel_secret)
+        self.pacer = IdlePacer(cfg.idle_wait_ms / 1000.0, idle_wait)
+        self._idle_step = False  # the current step schedules no token (from the scheduler side)
+        self._idle_steps = 0
+        inner = client or sidechannel.SideChannelClient(secret=cfg.side_channel_secret)
+        self._client: sidechannel.Client = _WakingClient(inner, self.pacer.wake)
         self._clock = clock
         self._transport_label = transport_label
         self._rank = rank
@@ -110,7 +137,7 @@ class WorkerEngine:
             self._cfg.bind_host,
             self._cfg.side_channel_port_for_rank(self._rank),
             compat.hash(),
-            self._handle,
+            self._handle_and_wake,
             self._cfg.side_channel_max_msg_kib * 1024,
             self._cfg.side_channel_secret or None,
         )
@@ -199,6 +226,13 @@ class WorkerEngine:
         self._staging = staged
         return staged
 
+    def _handle_and_wake(self, body: wire.Body) -> wire.Body:
+        """Side-channel requests (server thread); what the engine acts on ends its idle wait."""
+        reply = self._handle(body)
+        if not isinstance(body, wire.StatsRequest):
+            self.pacer.wake()
+        return reply
+
     def _handle(self, body: wire.Body) -> wire.Body:
         """Side-channel requests (server thread)."""
         if isinstance(body, wire.StatsRequest):
@@ -258,6 +292,7 @@ class WorkerEngine:
     def start_load(self, meta: StepMetadata | None) -> None:
         if self._receiver is None or self._sender is None:
             return
+        self._idle_step = meta is not None and meta.idle
         if meta is not None:
             self._ingest(meta)
         self._progress()
@@ -436,15 +471,43 @@ class WorkerEngine:
 
     # results ----------------------------------------------------------------------------------
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        """(finished_sending, finished_recving, failed_recving) since the last call.
+
+        At the end of a step that scheduled no token and finished nothing, waits briefly for the
+        next event (kv_connectors.idle) and looks again, instead of returning to vLLM's next empty
+        step at once."""
         if self._receiver is None or self._sender is None:
             return set(), set(), set()
+        idle, self._idle_step = self._idle_step, False
+        self._idle_steps += idle
+        self.pacer.arm()  # before looking: a reply arriving from now on ends the wait
+        results = self._collect()
+        if idle and not any(results) and self.pacer.enabled:
+            self.pacer.pause(self._pause_cap())
+            results = self._collect()
+        if not idle or any(results):
+            self.pacer.reset()
+        return results
+
+    def _collect(self) -> tuple[set[str], set[str], set[str]]:
+        assert self._receiver is not None and self._sender is not None
         self._progress()
         notices, self._notices = self._notices, []
         sending = self._sender.take_finished(notices)
         recving, failed = self._receiver.take_finished()
         self._stats = self._snapshot()
         return sending, recving, failed
+
+    def _pause_cap(self) -> float:
+        """How long an empty step may wait: not at all while staging moves chunks (each round trip
+        is polled), briefly while a transfer is in flight, else up to the configured cap (what
+        remains comes with a side-channel message or reply, which ends the wait)."""
+        assert self._receiver is not None and self._sender is not None
+        if self._staging is not None and self._staging.busy():
+            return 0.0
+        if self._receiver.polling() or self._sender.polling():
+            return POLL_WAIT_S
+        return float("inf")
 
     @property
     def stats(self) -> wire.StatsReply:
@@ -492,6 +555,7 @@ class WorkerEngine:
             claims_refused=leases.claims_refused,
             stale_reads_refused=self._receiver.claims_refused,
             lease_renewals=self._renewer.renewals if self._renewer is not None else 0,
+            idle_steps=self._idle_steps,
             **self._staging_stats(),
         )
 

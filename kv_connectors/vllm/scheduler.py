@@ -204,6 +204,7 @@ class SchedulerSide:
         if self._cfg.layerwise and self._transfer_ids:
             self._mark_layerwise(scheduler_output)
         meta, self._meta = self._meta, ConnectorMetadata()
+        meta.idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0) == 0
         return meta
 
     def _mark_layerwise(self, scheduler_output: Any) -> None:

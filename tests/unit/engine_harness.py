@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,13 +57,14 @@ class HeldClient:
     def __init__(self, inner: MemoryClient) -> None:
         self._inner = inner
         self.holding = False
+        self.hold_types: tuple[type, ...] = ()  # answers to these requests are held even when not holding
         self._held: list[tuple[concurrent.futures.Future[wire.Body], concurrent.futures.Future[wire.Body]]] = []
 
     def submit(
         self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
     ) -> concurrent.futures.Future[wire.Body]:
         answered = self._inner.submit(host, port, body, compat_hash, timeout_s)
-        if not self.holding:
+        if not self.holding and not isinstance(body, self.hold_types):
             return answered
         late: concurrent.futures.Future[wire.Body] = concurrent.futures.Future()
         self._held.append((answered, late))
@@ -94,10 +96,25 @@ class Node:
     finished_recving: set[str] = dataclasses.field(default_factory=set)
     failed_recving: set[str] = dataclasses.field(default_factory=set)
     recv_reports: list[str] = dataclasses.field(default_factory=list)  # every finished report, in order
+    # Idle waits (kv_connectors.idle): each wait's delay, recorded instead of slept (a wait that a
+    # wake already ended returns at once, as the Event's does); during_wait, if set, runs in the
+    # wait (what arrives meanwhile) and says whether it woke the engine.
+    waits: list[float] = dataclasses.field(default_factory=list)
+    woken_at_once: int = 0
+    during_wait: Callable[[], bool] | None = None
 
-    def step(self, meta: StepMetadata | None = None, layers: tuple[str, ...] = ()) -> None:
+    def idle_wait(self, delay_s: float) -> bool:
+        self.waits.append(delay_s)
+        if self.engine.pacer.woken:
+            self.woken_at_once += 1
+            return True
+        return self.during_wait() if self.during_wait is not None else False
+
+    def step(self, meta: StepMetadata | None = None, layers: tuple[str, ...] = (), idle: bool = False) -> None:
         """One engine step as vLLM drives it: bind metadata, start_load_kv, the forward pass (each
-        layer's save hook), wait_for_save, get_finished."""
+        layer's save hook), wait_for_save, get_finished. idle: the step schedules no token."""
+        if idle:
+            meta = dataclasses.replace(meta or StepMetadata(), idle=True)
         if meta is not None:
             self.engine.before_forward(meta)
         self.engine.start_load(meta)
@@ -180,11 +197,24 @@ class Cluster:
             return made[-1]
 
         client = HeldClient(self.fabric.client())
-        engine = WorkerEngine(cfg, rank, make, "memory", serve=self.fabric.serve, client=client, clock=self.clock, tp_size=tp_size)
+        owner: list[Node] = []  # the node, once made: its idle_wait records the engine's waits
+        engine = WorkerEngine(
+            cfg,
+            rank,
+            make,
+            "memory",
+            serve=self.fabric.serve,
+            client=client,
+            clock=self.clock,
+            tp_size=tp_size,
+            idle_wait=lambda delay_s: owner[0].idle_wait(delay_s),
+        )
         # Each region is one "layer" (layer-wise push writes a layer's regions as it is computed).
         compat = compat_for(layout, self.heads or 1)
         engine.register(layout, compat, layer_regions={"layer.0": (0,), "layer.1": (1,)})
-        return Node(engine, kv, made[-1], client)
+        node = Node(engine, kv, made[-1], client)
+        owner.append(node)
+        return node
 
     def add_rank(self, role: str, rank: int, tp_size: int, fill: float, extra: dict | None = None) -> Node:
         """Another tensor-parallel rank of P (role kv_producer) or D (kv_consumer), same base port."""
@@ -212,8 +242,8 @@ class Cluster:
     def recv(node: Node, rid: str, remote_rid: str, local: tuple[int, ...], remote: tuple[int, ...], report: bool = True) -> None:
         node.step(StepMetadata(reqs_to_recv={rid: RecvSpec(("P", "127.0.0.1", P_PORT), remote_rid, local, remote, report=report)}))
 
-    def run(self, steps: int = 5, dt: float = 0.001, nodes: tuple[Node, ...] | None = None) -> None:
+    def run(self, steps: int = 5, dt: float = 0.001, nodes: tuple[Node, ...] | None = None, idle: bool = False) -> None:
         for _ in range(steps):
             self.clock.advance(dt)
             for node in nodes or (self.d, self.p):
-                node.step()
+                node.step(idle=idle)

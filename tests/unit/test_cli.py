@@ -28,6 +28,7 @@ BAD_EXTRA = [
     {"backends": ["UCX", "GDS"]},
     {"nixl_backend": "LIBFABRIC"},
     {"mooncake_protocol": "ib"},
+    {"idle_wait_ms": 500},
 ]
 
 

@@ -38,6 +38,7 @@ NAMES = (
     "claims_refused",
     "stale_reads_refused",
     "lease_renewals",
+    "idle_steps",
 )
 NOT_METRICS = {"recv_seconds"}  # the load-time histogram kvc:transfer_seconds has the durations
 

@@ -234,3 +234,12 @@ def test_d_refuses_p_kv_for_another_prompt():
     assert "differ" in failed["same length, other tokens"] and "differ" in failed["longer, other first tokens"]
     assert "remote_prompt_digest" in failed["longer without the digest"]
     assert "remote_prompt_digest" in failed["a digest that is not one"]
+
+
+def test_a_step_without_tokens_is_marked_idle_for_the_worker():
+    side = SchedulerSide(parse_config("P", "kv_producer", {}), BLOCK, 7002)
+    empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0)
+    busy = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={"x": 3}, total_num_scheduled_tokens=3)
+    assert side.build_connector_meta(empty).idle is True
+    assert side.build_connector_meta(busy).idle is False
+    assert side.build_connector_meta(OUTPUT).idle is False, "a step of unknown size is not idle"

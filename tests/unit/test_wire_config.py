@@ -107,6 +107,9 @@ def test_config_defaults_and_values():
         ({"nixl_backend": "GDS"}, "nixl_backend.*UCX"),
         ({"progress_delay_us": -5}, "progress_delay_us"),
         ({"side_channel_host": ""}, "side_channel_host"),
+        ({"idle_wait_ms": -1}, "idle_wait_ms.*0..100"),
+        ({"idle_wait_ms": 1e9}, "idle_wait_ms.*0..100"),
+        ({"idle_wait_ms": float("nan")}, "idle_wait_ms"),
     ],
 )
 def test_config_errors_name_the_key(extra, match):

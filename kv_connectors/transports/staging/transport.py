@@ -282,6 +282,10 @@ class StagedTransport:
             with self._outbox.unit():
                 self._handlers[type(msg)](peer_name, msg)
 
+    def busy(self) -> bool:
+        """A transfer of ours, or a peer's that we serve, is under way (it advances when polled)."""
+        return bool(self._busy_peers())
+
     def _busy_peers(self) -> set[str]:
         """Peers we wait on: those with a transfer of ours, those we hold a slot for."""
         return self._initiator.busy_peers() | self._responder.busy_peers()
