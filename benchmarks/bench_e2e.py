@@ -144,7 +144,9 @@ def run_colocated(settings: ServerSettings, workload: Workload) -> tuple[dict[st
     try:
         with colocated_server(settings) as server:
             run_load(server.url, workload.warmup, workload.max_tokens, 1, workload.timeout_s)
+            cpu0 = server.group_cpu_seconds()
             results, wall = run_load(server.url, workload.prompts, workload.max_tokens, workload.concurrency, workload.timeout_s)
+            cpu = {"cpu_ms_per_request": round((server.group_cpu_seconds() - cpu0) * 1000 / len(workload.prompts), 1)}
     except RuntimeError as e:
         return failed_entry(desc, f"colocated server: {e}"), None
     figures, error, details = evaluate(results, wall, None, lengths)
@@ -157,7 +159,8 @@ def run_colocated(settings: ServerSettings, workload: Workload) -> tuple[dict[st
             len(set(reference)),
             len(reference),
         )
-    return {"ok": True, "error": None, "description": desc, "notes": [], **details, **figures, **kv_figures(None, None)}, reference
+    entry = {"ok": True, "error": None, "description": desc, "notes": [], **details, **figures, **kv_figures(None, None), **cpu}
+    return entry, reference
 
 
 def kv_counters(cfg: PdConfig, d: VllmServer) -> dict[str, float | None]:
@@ -242,7 +245,9 @@ def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, referenc
             if bad:
                 return failed_entry(cfg.description, f"warm-up request failed: {bad[0]} (D log {d.log_path})", cfg.notes)
             before = kv_counters(cfg, d)
+            cpu0 = p.group_cpu_seconds() + d.group_cpu_seconds()
             results, wall = run_load(proxy.url, workload.prompts, workload.max_tokens, workload.concurrency, workload.timeout_s)
+            cpu_s = p.group_cpu_seconds() + d.group_cpu_seconds() - cpu0
             after = settled_counters(cfg, d, workload.prompt_tokens // 2, before)
     except RuntimeError as e:
         return failed_entry(cfg.description, f"start-up or stats failed: {e}", cfg.notes)
@@ -251,7 +256,8 @@ def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, referenc
     error = error or kv_error
     if figures is None or error:
         return failed_entry(cfg.description, error or "", cfg.notes, **details)
-    return {"ok": True, "error": None, "description": cfg.description, "notes": list(cfg.notes), **details, **figures, **kv}
+    cpu = {"cpu_ms_per_request": round(cpu_s * 1000 / len(workload.prompts), 1)}
+    return {"ok": True, "error": None, "description": cfg.description, "notes": list(cfg.notes), **details, **figures, **kv, **cpu}
 
 
 def machine() -> str:

@@ -9,7 +9,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 # Figures every configuration reports, and that get a ratio to the baselines.
-RATIO_FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_mean_ms", "output_tok_s", "kv_bytes", "gbps")
+RATIO_FIGURES = (
+    "ttft_mean_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "e2e_mean_ms",
+    "output_tok_s",
+    "kv_bytes",
+    "gbps",
+    "cpu_ms_per_request",
+)
 BASELINES = {"builtin-nixl": "vs_builtin", "colocated": "vs_colocated"}
 
 
@@ -104,7 +113,7 @@ def figures_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     """One row per configuration: the figures people compare."""
     head = (
         f"{'config':<22} {'ok':>4} {'reqs':>4} {'TTFT mean':>9} {'p50':>8} {'p99':>8} {'e2e mean':>9} "
-        f"{'out tok/s':>9} {'KV MiB':>8} {'KV GB/s':>7}"
+        f"{'out tok/s':>9} {'KV MiB':>8} {'KV GB/s':>7} {'CPU ms/req':>10}"
     )
     rows = [head, "-" * len(head)]
     for name, r in results.items():
@@ -113,19 +122,27 @@ def figures_table(results: Mapping[str, Mapping[str, Any]]) -> str:
             f"{name:<22} {'yes' if r.get('ok') else 'NO':>4} {r.get('requests', 0):>4} "
             f"{_fmt(r.get('ttft_mean_ms'), '9.1f')} {_fmt(r.get('ttft_p50_ms'), '8.1f')} "
             f"{_fmt(r.get('ttft_p99_ms'), '8.1f')} {_fmt(r.get('e2e_mean_ms'), '9.1f')} "
-            f"{_fmt(r.get('output_tok_s'), '9.1f')} {_fmt(kv_mib, '8.2f')} {_fmt(r.get('gbps'), '7.2f')}"
+            f"{_fmt(r.get('output_tok_s'), '9.1f')} {_fmt(kv_mib, '8.2f')} {_fmt(r.get('gbps'), '7.2f')} "
+            f"{_fmt(r.get('cpu_ms_per_request'), '10.1f')}"
         )
     return "\n".join(rows)
 
 
 def ratios_table(results: Mapping[str, Mapping[str, Any]]) -> str:
-    """One row per configuration: TTFT, e2e, tok/s and GB/s over the built-in connector's and colocated's."""
-    cols = (("ttft_mean_ms", "TTFT"), ("ttft_p99_ms", "p99"), ("e2e_mean_ms", "e2e"), ("output_tok_s", "tok/s"), ("gbps", "GB/s"))
+    """One row per configuration: TTFT, e2e, tok/s, CPU per request and GB/s over the built-in connector's and colocated's."""
+    cols = (
+        ("ttft_mean_ms", "TTFT"),
+        ("ttft_p99_ms", "p99"),
+        ("e2e_mean_ms", "e2e"),
+        ("output_tok_s", "tok/s"),
+        ("cpu_ms_per_request", "CPU"),
+        ("gbps", "GB/s"),
+    )
     head = (
         f"{'config':<22} "
         + " ".join(f"{label + '/bi':>9}" for _, label in cols)
         + "  "
-        + " ".join(f"{label + '/co':>9}" for _, label in cols[:4])
+        + " ".join(f"{label + '/co':>9}" for _, label in cols[:5])
     )
     rows = [head, "-" * len(head)]
     for name, r in results.items():
@@ -134,7 +151,7 @@ def ratios_table(results: Mapping[str, Mapping[str, Any]]) -> str:
             f"{name:<22} "
             + " ".join(_fmt(vb.get(f), "9.2f") for f, _ in cols)
             + "  "
-            + " ".join(_fmt(vc.get(f), "9.2f") for f, _ in cols[:4])
+            + " ".join(_fmt(vc.get(f), "9.2f") for f, _ in cols[:5])
         )
     return "\n".join(rows)
 

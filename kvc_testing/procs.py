@@ -237,6 +237,17 @@ class ManagedProcess:
                 continue
         return pids
 
+    def group_cpu_seconds(self) -> float:
+        """CPU time (user + system) the group's live processes have used so far."""
+        ticks = 0
+        for pid in self.group_pids():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+            except (OSError, IndexError, ValueError):
+                continue
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def group_rss_bytes(self) -> int:
         """Sum of resident memory of the group's processes."""
         total = 0
