@@ -22,7 +22,9 @@ PROMPT = make_prompts([150], seed=21)[0]
 def _steps_while_holding(tiny_model, idle_wait_ms: float) -> int:
     """Empty steps a P runs in HOLD_S seconds of holding a prompt's blocks; then the lease frees them."""
     extra = {"idle_wait_ms": idle_wait_ms, "lease_s": HOLD_S + 1.5}
-    with pd_server(tiny_model, "kv_producer", name=f"P-idle-{idle_wait_ms:g}", max_model_len=MAX_MODEL_LEN, extra_config=extra) as p:
+    with pd_server(
+        tiny_model, "kv_producer", name=f"P-idle-{idle_wait_ms:g}", max_model_len=MAX_MODEL_LEN, extra_config=extra
+    ) as p:
         prefill(p.url, PROMPT)
         s0 = stats(p)
         assert s0.held_blocks > 0, "P does not hold the prompt's blocks"
