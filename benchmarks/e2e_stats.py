@@ -83,7 +83,7 @@ def kv_figures(kv_bytes: int | None, kv_seconds: float | None) -> dict[str, Any]
     return {
         "kv_bytes": kv_bytes,
         "kv_seconds": None if kv_seconds is None else round(kv_seconds, 6),
-        "gbps": None if gbps is None else round(gbps, 3),
+        "gbps": None if gbps is None else float(f"{gbps:.4g}"),  # significant digits: a slow load is not 0
     }
 
 

@@ -75,6 +75,8 @@ def test_summarize_means_percentiles_and_per_length():
 
 def test_kv_figures_and_ratio_handle_unknowns():
     assert kv_figures(2_000_000_000, 2.0)["gbps"] == 1.0
+    # a slow load (vLLM's built-in connector on a loaded 2-core host: 224 KiB in 0.6 s) is slow, not 0
+    assert kv_figures(229_376, 0.6)["gbps"] == 0.0003823
     assert kv_figures(None, None) == {"kv_bytes": None, "kv_seconds": None, "gbps": None}
     assert kv_figures(100, 0.0)["gbps"] is None
     assert ratio(3.0, 2.0) == 1.5
