@@ -1,6 +1,7 @@
 """One peer harness for the transport tests, the transport contract suite and the transport benchmarks.
 
-- KV caches: the tests' patterned profiles (`make_kv`, `layout_of`, `block_copy`, `storage_digest`)
+- KV caches: the tests' patterned profiles (`make_kv`, `layout_of`, `block_copy`, `storage_digest`,
+  `same_bytes`; "mla" and "mla32" are MLA's latent, with cells, `token_copy` their token reference)
   and the benchmarks' word pattern over vLLM-shaped tensors (`Shape`, `bench_kv`, `fill_pattern`,
   `check_pattern`).
 - Transports: `open_transport(spec)` builds any kind through `create_transport` (the one factory the
@@ -29,8 +30,8 @@ import numpy as np
 
 from kv_connectors.config import ConnectorConfig, Role
 from kv_connectors.errors import TransportError
-from kv_connectors.layout import Cells, KVLayout, Part, TensorInfo, build_layout
-from kv_connectors.plan import plan_transfer
+from kv_connectors.layout import Cells, KVLayout, Part, TensorInfo, build_layout, cells_of_tensor
+from kv_connectors.plan import BlockTable, plan_transfer
 from kv_connectors.transports import create_transport, ucx_on_loopback
 from kv_connectors.transports.base import MemoryKind, Transport, XferState
 
@@ -44,35 +45,55 @@ STOP_S = 5.0
 # KV caches (tests) ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """A KV cache of uint32 storage arrays (compared byte for byte). Array i has its blocks on
-    dimension block_dims[i]; where kv_cols[i] is set, only the first kv_cols[i] words of a block
-    are KV (the rest is padding that must stay untouched)."""
+    """A KV cache of storage arrays of dtype (random bits, compared byte for byte). Array i has its
+    blocks on dimension block_dims[i]; where kv_cols[i] is set, only the first kv_cols[i] words of a
+    block are KV (the rest is padding that must stay untouched). heads > 0: the layout has cells,
+    read from the first array's shape with that many KV heads (cells_of_tensor)."""
 
     num_blocks: int
     block_size: int
     shapes: tuple[tuple[int, ...], ...]
     block_dims: tuple[int, ...]
     kv_cols: tuple[int | None, ...]
+    dtype: str = "uint32"
+    heads: int = 0
 
 
 SMALL_BLOCKS = 32  # "small": five regions, packed and padded ones, 512-byte segments
 BIG_BLOCKS = 8192  # "big": one region of 4 KiB blocks, 32 MiB (long enough to be killed mid-read)
 STAGED_BLOCKS = 320  # "staged": 16 KiB blocks over 4 regions (packed, K/V-split packed, padded)
+MLA_LATENT = 576  # MLA's cache: kv_lora_rank 512 + qk_rope_head_dim 64 values per token, no head dimension
+MLA_LAYERS = 2
+MLA_HEADS = 1  # the latent is one KV head, replicated on every tensor-parallel rank
+MLA_BLOCKS = 24  # "mla": (24, 16, 576) float16 per layer, 18 KiB blocks; "mla32": (12, 32, 576), 36 KiB
+
+
+def _mla(num_blocks: int, block_size: int) -> Profile:
+    shape = (num_blocks, block_size, MLA_LATENT)
+    return Profile(num_blocks, block_size, (shape,) * MLA_LAYERS, (0,) * MLA_LAYERS, (None,) * MLA_LAYERS, "float16", MLA_HEADS)
+
+
 PROFILES = {
     "small": Profile(
         SMALL_BLOCKS, 4, ((32, 2, 4, 16), (32, 2, 4, 16), (2, 32, 4, 2, 8), (32, 160)), (0, 0, 1, 0), (None, None, None, 128)
     ),
     "big": Profile(BIG_BLOCKS, 4, ((BIG_BLOCKS, 1024),), (0,), (None,)),
     "staged": Profile(STAGED_BLOCKS, 16, ((320, 2, 8, 64), (2, 320, 1024), (320, 1024 + 64)), (0, 1, 0), (None, None, 1024)),
+    "mla": _mla(MLA_BLOCKS, 16),
+    "mla32": _mla(MLA_BLOCKS // 2, 32),
 }
 
 
 def make_kv(seed: int, profile: str = "small") -> list[np.ndarray]:
-    """Storage arrays filled with a pattern unique to seed."""
+    """Storage arrays filled with a pattern unique to seed (random bits: as floats, some are NaNs)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown KV profile {profile!r}")
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 2**32, size=s, dtype=np.uint32) for s in PROFILES[profile].shapes]
+    prof = PROFILES[profile]
+    if prof.dtype == "uint32":
+        return [rng.integers(0, 2**32, size=s, dtype=np.uint32) for s in prof.shapes]
+    size = np.dtype(prof.dtype).itemsize
+    return [rng.integers(0, 256, size=int(np.prod(s)) * size, dtype=np.uint8).view(prof.dtype).reshape(s) for s in prof.shapes]
 
 
 def profile_of(storage: Sequence[Any]) -> Profile:
@@ -95,10 +116,14 @@ def _info(name: str, v: Any) -> TensorInfo:
 
 
 def layout_of(storage: Sequence[Any]) -> KVLayout:
-    """The layout of a profile's storage arrays, numpy (host) or torch (any device)."""
+    """The layout of a profile's storage arrays, numpy (host) or torch (any device); with the
+    profile's cells where it names its heads (one rank's, from head 0: MLA's latent on every rank)."""
     prof = profile_of(storage)
     infos = [_info(f"t{i}", v) for i, v in enumerate(kv_views(storage))]
-    return build_layout(infos, prof.num_blocks, block_size=prof.block_size)
+    layout = build_layout(infos, prof.num_blocks, block_size=prof.block_size)
+    if not prof.heads:
+        return layout
+    return dataclasses.replace(layout, cells=cells_of_tensor(infos[0], prof.num_blocks, prof.block_size, prof.heads))
 
 
 def block_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
@@ -108,6 +133,24 @@ def block_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], src_ids: Se
     for i, (dim, cols) in enumerate(zip(prof.block_dims, prof.kv_cols)):
         tail = () if cols is None else (slice(0, cols),)  # padding is not part of the KV
         dst[i][(slice(None),) * dim + (d,) + tail] = src[i][(slice(None),) * dim + (s,) + tail]
+
+
+def token_copy(
+    dst: Sequence[np.ndarray], src: Sequence[np.ndarray], src_table: BlockTable, dst_table: BlockTable, first: int, count: int
+) -> None:
+    """Reference copy (in place on dst) for token-major profiles (blocks on dim 0, tokens on dim 1,
+    every array: MLA): tokens [first, first + count) of a sequence from src's blocks (src_table) to
+    dst's, a numpy gather, each side on its own block size (the arrays' dim 1)."""
+    tokens = np.arange(first, first + count, dtype=np.int64)
+    for d, s in zip(dst, src):
+        s_blk, s_slot = np.divmod(tokens - src_table.first_token, s.shape[1])
+        d_blk, d_slot = np.divmod(tokens - dst_table.first_token, d.shape[1])
+        d[np.asarray(dst_table.ids)[d_blk], d_slot] = s[np.asarray(src_table.ids)[s_blk], s_slot]
+
+
+def same_bytes(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    """Whether two lists of storage arrays hold the same bytes (floats compared as bits: NaNs too)."""
+    return len(a) == len(b) and all(x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in zip(a, b))
 
 
 def storage_digest(storage: Sequence[np.ndarray]) -> str:

@@ -88,6 +88,19 @@ def cpu_attn_isa(vllm_config: Any) -> str | None:
         return None
 
 
+def uses_mla(model_config: Any) -> bool:
+    """Whether the model caches MLA's latent (DeepSeek-V2/V3 and kin): one vector of kv_lora_rank +
+    qk_rope_head_dim values per token, no head dimension, the same on every tensor-parallel rank."""
+    return bool(getattr(model_config, "use_mla", False))
+
+
+def kv_heads(model_config: Any) -> int:
+    """The model's KV heads as its KV cache holds them. MLA: one (the latent, replicated on every
+    rank, as vLLM's get_num_kv_heads says), whatever the config's num_key_value_heads (128 for
+    DeepSeek-V3), which would cut the latent into head slices that are not there."""
+    return 1 if uses_mla(model_config) else int(model_config.get_total_num_kv_heads())
+
+
 def model_facts(vllm_config: Any) -> dict[str, Any]:
     """Model properties that go into the compatibility hash (not the path: copies of a model match)."""
     mc = vllm_config.model_config
@@ -97,7 +110,7 @@ def model_facts(vllm_config: Any) -> dict[str, Any]:
         "architecture": str(archs[0]),
         "num_layers": int(mc.get_total_num_hidden_layers() if hasattr(mc, "get_total_num_hidden_layers") else hf.num_hidden_layers),
         "hidden_size": int(mc.get_hidden_size()),
-        "num_kv_heads": int(mc.get_total_num_kv_heads()),
+        "num_kv_heads": kv_heads(mc),
         "head_size": int(mc.get_head_size()),
         "vocab_size": int(mc.get_vocab_size()),
         "dtype": str(vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto" else mc.dtype),
@@ -118,9 +131,11 @@ __all__ = [
     "P2P_HIT_SOURCE",
     "SupportsHMA",
     "VLLM_VERSION",
+    "kv_heads",
     "model_facts",
     "num_kv_cache_groups",
     "share_vllm_logging",
     "transfer_results",
     "unhashed_block_ids",
+    "uses_mla",
 ]

@@ -66,6 +66,24 @@ def tensor_info(name: str, t: torch.Tensor) -> TensorInfo:
     return TensorInfo(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
 
 
+def kv_cells(vllm_config: Any, info: TensorInfo, num_blocks: int, total_heads: int, rank: int, on_cpu: bool) -> Cells | None:
+    """A rank's tokens and heads inside a block (for the planner), or None where the tensor does not
+    tell them apart: then only whole blocks are planned. vLLM's CPU attention keeps K and V in a
+    layout its shape does not tell; MLA's latent is token-major on CPU (cpu_mla) and CUDA alike."""
+    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    block_size = int(vllm_config.cache_config.block_size)
+    try:
+        first, heads = rank_heads(total_heads, tp, rank)
+        if on_cpu and not compat.uses_mla(vllm_config.model_config):  # K of every token, then V, in one tensor
+            head_size = int(vllm_config.model_config.get_head_size())
+            isa = compat.cpu_attn_isa(vllm_config)
+            return cells_of_cpu_tensor(info, num_blocks, block_size, heads, head_size, isa).with_first_head(first)
+        return cells_of_tensor(info, num_blocks, block_size, heads).with_first_head(first)
+    except ConfigError as e:
+        logger.info("KV blocks planned whole only: %s", e)
+        return None
+
+
 class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     """Base of our connectors; a subclass names its transport kind (`transport_name`, a kind known to
     `kv_connectors.transports.create_transport`) and may set default extra-config keys."""
@@ -136,27 +154,13 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         layout = build_layout(infos, num_blocks, self._block_size)
         first = next(iter(kv_caches.values()))
         on_cpu = first.device.type == "cpu"
-        layout = dataclasses.replace(layout, cells=self._cells(infos[0], num_blocks, int(facts["num_kv_heads"]), on_cpu))
+        cells = kv_cells(self._vllm_config, infos[0], num_blocks, int(facts["num_kv_heads"]), self.worker_side.rank, on_cpu)
+        layout = dataclasses.replace(layout, cells=cells)
         if layout.cells is not None:
             facts["block_size"] = 0  # planned token by token: P's and D's may differ
         compat_info = CompatInfo(layout=layout.compat_signature(), **facts)
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
         self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))
-
-    def _cells(self, info: TensorInfo, num_blocks: int, total_heads: int, on_cpu: bool) -> Cells | None:
-        """This rank's tokens and heads inside a block (for the planner), or None where the tensor
-        does not tell them apart: then only whole blocks are planned."""
-        tp = int(getattr(self._vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-        try:
-            first, heads = rank_heads(total_heads, tp, self.worker_side.rank)
-            if on_cpu:  # K of every token, then V, in one tensor: its shape does not say so
-                head_size = int(self._vllm_config.model_config.get_head_size())
-                isa = compat.cpu_attn_isa(self._vllm_config)
-                return cells_of_cpu_tensor(info, num_blocks, self._block_size, heads, head_size, isa).with_first_head(first)
-            return cells_of_tensor(info, num_blocks, self._block_size, heads).with_first_head(first)
-        except ConfigError as e:
-            logger.info("KV blocks planned whole only: %s", e)
-            return None
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Called before the forward pass (vLLM starts asynchronous loads only after it): the one
