@@ -7,7 +7,8 @@ holding the GIL that the side-channel threads of the same process need to answer
 handshakes. After an empty step that finished nothing, the worker waits here: until a side-channel
 message or reply the engine acts on wakes it, or for a delay that doubles with each consecutive empty
 step, from MIN_WAIT_S up to the configured cap (shorter while a transfer is in flight, whose
-completion only polling sees). A new request reaching vLLM meanwhile waits at most that cap.
+completion only polling sees); while an answer that wakes it is on its way (a claim, a handshake),
+the whole cap at once. A new request reaching vLLM meanwhile waits at most that cap.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class IdlePacer:
         """A step did work: the next empty step starts again from the shortest wait."""
         self._next = MIN_WAIT_S
 
-    def pause(self, cap_s: float) -> bool:
-        """Wait up to min(the current delay, cap_s, the configured cap); True if woken."""
-        delay = min(self._next, cap_s, self._max)
+    def pause(self, cap_s: float, awaiting: bool = False) -> bool:
+        """Wait up to min(the current delay, cap_s, the configured cap); True if woken. awaiting: an
+        answer that will wake us is on its way: wait for it up to the caps, whatever the delay."""
+        delay = min(cap_s, self._max) if awaiting else min(self._next, cap_s, self._max)
         if delay <= 0:
             return False
         self._next = min(self._next * 2, self._max)

@@ -133,8 +133,23 @@ class Receiver:
             self._advance_transfer(task, now)
 
     def polling(self) -> bool:
-        """A transfer is in flight: a posted read, or P's write awaited (seen only by polling)."""
-        return any(task.phase is RecvPhase.TRANSFER for task in self._tasks.values())
+        """Something only polling sees is awaited: a posted read in flight, P's write (push: its
+        notification), or the time to ask again for a claim P answered "pending"."""
+        for task in self._tasks.values():
+            if task.phase is not RecvPhase.TRANSFER:
+                continue
+            if task.xfer is not None or not task.fenced:
+                return True
+            if task.claim is None and task.fence_deadline is None:
+                return True
+        return False
+
+    def awaiting(self) -> bool:
+        """An answer from a producer's side channel is on its way (its arrival wakes the engine's
+        idle wait): a handshake, a claim, a push request's acknowledgement."""
+        if any(peer.future is not None for peer in self._peers.values()):
+            return True
+        return any(task.claim is not None or task.ack is not None for task in self._tasks.values())
 
     def on_done_notice(self, request_id: str, error: str, runs: int = 0) -> bool:
         """P's notification that it wrote (or failed to write) a push request's blocks.

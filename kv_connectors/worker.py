@@ -483,7 +483,7 @@ class WorkerEngine:
         self.pacer.arm()  # before looking: a reply arriving from now on ends the wait
         results = self._collect()
         if idle and not any(results) and self.pacer.enabled:
-            self.pacer.pause(self._pause_cap())
+            self._pause()
             results = self._collect()
         if not idle or any(results):
             self.pacer.reset()
@@ -498,16 +498,17 @@ class WorkerEngine:
         self._stats = self._snapshot()
         return sending, recving, failed
 
-    def _pause_cap(self) -> float:
-        """How long an empty step may wait: not at all while staging moves chunks (each round trip
-        is polled), briefly while a transfer is in flight, else up to the configured cap (what
-        remains comes with a side-channel message or reply, which ends the wait)."""
+    def _pause(self) -> None:
+        """An empty step's wait: none while staging moves chunks (each round trip is polled), brief
+        while something only polling sees is awaited, else up to the configured cap (what remains
+        comes with a side-channel message or answer, which ends the wait), the whole cap at once
+        while such an answer is on its way."""
         assert self._receiver is not None and self._sender is not None
         if self._staging is not None and self._staging.busy():
-            return 0.0
-        if self._receiver.polling() or self._sender.polling():
-            return POLL_WAIT_S
-        return float("inf")
+            return
+        awaiting = self._receiver.awaiting() or bool(self._probes)
+        cap = POLL_WAIT_S if self._receiver.polling() or self._sender.polling() else float("inf")
+        self.pacer.pause(cap, awaiting)
 
     @property
     def stats(self) -> wire.StatsReply:

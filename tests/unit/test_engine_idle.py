@@ -34,6 +34,14 @@ def test_the_wait_doubles_per_empty_step_up_to_the_cap_and_resets_after_work():
     assert pacer.waits == 8
 
 
+def test_an_answer_on_its_way_is_awaited_up_to_the_cap_whatever_the_backoff():
+    waits: list[float] = []
+    pacer = IdlePacer(0.002, wait=lambda s: waits.append(s) or False)
+    pacer.pause(float("inf"), awaiting=True)
+    pacer.pause(POLL_WAIT_S, awaiting=True)
+    assert waits == [0.002, POLL_WAIT_S]
+
+
 def test_a_wake_ends_the_wait_and_restarts_the_backoff():
     pacer = IdlePacer(60.0)  # a real Event: a wait of up to a minute, unless woken
     pacer._next = 30.0
@@ -121,6 +129,17 @@ def test_a_claim_answer_arriving_during_the_wait_is_reported_in_the_same_step():
     assert answered == [1]
     assert c.d.finished_recving == {"d1"} and not c.d.failed_recving, "the load was not reported after the wake"
     assert len(c.d.waits) == 1 and c.d.woken_at_once == 0
+
+
+def test_d_waits_for_the_claim_answer_up_to_the_cap_once_its_read_is_done():
+    c = Cluster()
+    c.prefill_done("r1", P_BLOCKS)
+    c.d.client.hold_types = (wire.ClaimRequest,)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(3, nodes=(c.d,))  # the read completes; the claim's answer is on its way
+    assert not c.d.engine._receiver.polling() and c.d.engine._receiver.awaiting()
+    c.d.step(idle=True)
+    assert c.d.waits == [0.002], "the answer wakes D: no need to come back sooner than the cap"
 
 
 def test_side_channel_answers_and_requests_wake_the_engine():
