@@ -96,8 +96,10 @@ def _ours(
     source_tree: str | None = None,
 ) -> tuple[VllmServer, VllmServer]:
     kw: dict[str, Any] = settings.server_kwargs()
-    if source_tree:  # another checkout of kv-connectors (e.g. the previous release) imported first
+    if source_tree:  # another checkout of kv-connectors (e.g. the previous release) imported first:
+        # `python -m` puts the working directory before PYTHONPATH, so the servers run in that checkout
         kw["extra_env"] = {"PYTHONPATH": source_tree}
+        kw["cwd"] = source_tree
     p = pd_server(settings.model, "kv_producer", form=form, name="P", extra_config=p_extra, **kw)
     d = pd_server(settings.model, "kv_consumer", form=form, name="D", extra_config=d_extra, **kw)
     return p, d

@@ -337,10 +337,13 @@ class VllmServer(ManagedProcess):
         log_path: str | Path | None = None,
         netns: str | None = None,
         cpus: str | None = None,
+        cwd: str | Path | None = None,
     ) -> None:
         """netns: run in that network namespace (`ip netns exec`, which execs: same pid and group).
         cpus: run the whole server (every process it starts) on these cores (`taskset -c`, which
-        execs too): keeps another server's spinning workers off them."""
+        execs too): keeps another server's spinning workers off them. cwd: the server's working
+        directory, which `python -m` puts first on sys.path (before PYTHONPATH): another checkout's
+        packages are imported only when it runs there."""
         self.model = str(model)
         self.host = host
         self.port = port if port is not None else free_port()
@@ -366,7 +369,7 @@ class VllmServer(ManagedProcess):
             argv = ["ip", "netns", "exec", netns, *argv]
         env = self.default_env(cpu_bind, omp_threads, multiprocessing, pin)
         env.update(extra_env or {})
-        super().__init__(argv, name=name or f"vllm-{self.port}", env=env, log_path=log_path)
+        super().__init__(argv, name=name or f"vllm-{self.port}", env=env, cwd=cwd, log_path=log_path)
 
     @staticmethod
     def default_env(
