@@ -260,6 +260,84 @@ def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, referenc
     return {"ok": True, "error": None, "description": cfg.description, "notes": list(cfg.notes), **details, **figures, **kv, **cpu}
 
 
+@dataclasses.dataclass
+class _Live:
+    """One configuration's running servers in an interleaved run, and what its requests measured."""
+
+    url: str  # where requests go: the proxy (colocated: the server)
+    servers: tuple[VllmServer, ...]
+    cfg: PdConfig | None = None  # None: colocated
+    results: list[Sample | RequestFailed] = dataclasses.field(default_factory=list)
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    before: dict[str, float | None] = dataclasses.field(default_factory=dict)
+
+
+def _entry(live: _Live, workload: Workload, reference: Sequence[tuple[int, ...]] | None) -> dict[str, Any]:
+    """An interleaved configuration's figures, checked like a sequential run's."""
+    lengths = [len(p) for p in workload.prompts]
+    desc = live.cfg.description if live.cfg is not None else "one vLLM server, no connector (reference outputs)"
+    notes = live.cfg.notes if live.cfg is not None else ()
+    figures, error, details = evaluate(live.results, live.wall_s, reference, lengths)
+    kv: dict[str, Any] = kv_figures(None, None)
+    if live.cfg is not None:
+        d = live.servers[1]
+        try:
+            after = settled_counters(live.cfg, d, workload.prompt_tokens // 2, live.before)
+        except RuntimeError as e:
+            return failed_entry(desc, f"stats failed: {e}", notes, **details)
+        kv, kv_error = kv_check(live.cfg, live.before, after, workload)
+        error = error or kv_error
+    if figures is None or error:
+        return failed_entry(desc, error or "", notes, **details)
+    cpu = {"cpu_ms_per_request": round(live.cpu_s * 1000 / len(workload.prompts), 1)}
+    return {"ok": True, "error": None, "description": desc, "notes": list(notes), **details, **figures, **kv, **cpu}
+
+
+def run_interleaved(names: Sequence[str], settings: ServerSettings, workload: Workload) -> dict[str, dict[str, Any]]:
+    """Every configuration's servers up at once; each prompt goes to each configuration in turn (the
+    order rotating from prompt to prompt), one request in flight, so that the machine's drift over
+    the run reaches every configuration alike. Between its requests a configuration is idle."""
+    results: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        colocated = stack.enter_context(colocated_server(settings))
+        lives = {COLOCATED: _Live(colocated.url, (colocated,))}
+        for name in names:
+            try:
+                p, d, proxy = start_pair(stack, CONFIGS[name], settings)
+            except RuntimeError as e:
+                results[name] = failed_entry(CONFIGS[name].description, f"start-up failed: {e}", CONFIGS[name].notes)
+                continue
+            lives[name] = _Live(proxy.url, (p, d), CONFIGS[name])
+        for live in lives.values():  # a warm-up failure shows in the measured requests
+            run_load(live.url, workload.warmup, workload.max_tokens, 1, workload.timeout_s)
+            if live.cfg is not None:
+                live.before = kv_counters(live.cfg, live.servers[1])
+        order = list(lives)
+        for i, prompt in enumerate(workload.prompts):
+            for name in order[i % len(order) :] + order[: i % len(order)]:
+                live = lives[name]
+                cpu0 = sum(s.group_cpu_seconds() for s in live.servers)
+                got, wall = run_load(live.url, [prompt], workload.max_tokens, 1, workload.timeout_s)
+                live.cpu_s += sum(s.group_cpu_seconds() for s in live.servers) - cpu0
+                live.wall_s += wall
+                live.results += got
+            print(f"prompt {i + 1} of {len(workload.prompts)} done", flush=True)
+        colocated_entry = _entry(lives[COLOCATED], workload, None)
+        reference = [r.output_ids for r in lives[COLOCATED].results if isinstance(r, Sample)] if colocated_entry["ok"] else None
+        results[COLOCATED] = colocated_entry
+        for name, live in lives.items():
+            if name == COLOCATED:
+                continue
+            if reference is None:
+                results[name] = failed_entry(
+                    live.cfg.description if live.cfg else "", "no colocated reference to check outputs against"
+                )
+            else:
+                results[name] = _entry(live, workload, reference)
+    return {name: results[name] for name in [COLOCATED, *names] if name in results}
+
+
 def machine() -> str:
     """One line describing this host and the software measured."""
     cpu = "unknown CPU"
@@ -309,6 +387,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON object keyed by configuration, last line")
     ap.add_argument("--plot", metavar="FILE.png", help="draw mean TTFT against prompt length per configuration")
     ap.add_argument("--verbose", action="store_true", help="log server start-up and stops")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every configuration at once and send each prompt to each in turn (concurrency 1): "
+        "before/after comparisons on a noisy host (a configuration that spins while idle slows the others)",
+    )
     args = ap.parse_args(argv)
     try:
         args.config_names = parse_configs(args.configs)
@@ -317,6 +401,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(e))
     if args.repeats < 1 or args.concurrency < 1 or args.max_tokens < 1:
         ap.error("--repeats, --concurrency and --max-tokens must be >= 1")
+    if args.interleave and args.concurrency != 1:
+        ap.error("--interleave sends one request at a time (--concurrency 1)")
     return args
 
 
@@ -361,6 +447,10 @@ def run(args: argparse.Namespace, host: str) -> dict[str, dict[str, Any]]:
         f"concurrency {args.concurrency}; configs: colocated, {', '.join(args.config_names)}",
         flush=True,
     )
+    if args.interleave:
+        results = run_interleaved(args.config_names, settings, workload)
+        add_ratios(results)
+        return results
     results: dict[str, dict[str, Any]] = {}
     results[COLOCATED], reference = run_colocated(settings, workload)
     print(f"{COLOCATED}: {'ok' if results[COLOCATED]['ok'] else results[COLOCATED]['error']}", flush=True)

@@ -77,6 +77,7 @@ class Receiver:
         self._expected: dict[PeerKey, tuple[int, int]] = {}  # the (rank, TP size) a producer must answer as
         self._tasks: dict[TaskKey, RecvTask] = {}
         self._to_claim: dict[PeerKey, list[RecvTask]] = {}
+        self._reads: list[tuple[RecvTask, _Peer, TransferPlan]] = []  # planned and claimed, to post
         self._group_failed: set[str] = set()  # requests read from several producer ranks: one read failed
         self.totals = RecvTotals()
         self.claims_refused = 0
@@ -121,6 +122,10 @@ class Receiver:
                 logger.exception("request %s: unexpected error", task.request_id)
                 self._fail_transfer(task, FailReason.INTERNAL, KVConnectorError(f"internal error: {type(e).__name__}: {e}"))
         self._send_claims()
+        reads, self._reads = self._reads, []
+        for task, peer, plan in reads:
+            if task.phase is RecvPhase.TRANSFER:
+                self._post_read(task, peer, plan)
 
     def _advance(self, task: RecvTask, now: float) -> None:
         if task.phase is RecvPhase.HANDSHAKE:
@@ -202,8 +207,8 @@ class Receiver:
                 task.fail(FailReason.HANDSHAKE, "handshake with producer timed out")
         elif self._cfg.mode is TransferMode.PUSH or not task.local_block_ids or not task.remote_block_ids:
             self._request_push(task)  # P's blocks unknown (transfer-id flow): only P can move them
-        else:
-            self._post_read(task, peer)
+        elif (plan := self._prepare_read(task, peer)) is not None:
+            self._reads.append((task, peer, plan))  # posted after this progress call's claims are sent
 
     def _request_push(self, task: RecvTask) -> None:
         """Ask P to write (push mode), or just to free its blocks (nothing to read)."""
@@ -248,26 +253,34 @@ class Receiver:
         task.phase = RecvPhase.TRANSFER  # no transfer handle: waiting for P's notification
         task.deadline = now + self._cfg.transfer_timeout_s
 
-    def _post_read(self, task: RecvTask, peer: _Peer) -> None:
-        """Post the read and claim P's lease at once (the claim's round trip overlaps the read).
+    def _prepare_read(self, task: RecvTask, peer: _Peer) -> TransferPlan | None:
+        """Plan a read and queue its claim on P's lease; the read is posted once the claim is on its
+        way (engines may copy inside the post call, as NIXL over cma does: the claim's round trip
+        then overlaps the copy instead of following it). None: the plan failed the task.
 
         The read carries no notification: P learns that D is done only after it granted the claim
         (a notice arriving first would free the lease, and the claim would then be refused)."""
         assert peer.layout is not None
-        started = self._clock()  # engines may copy inside the post call (NIXL over cma does)
         try:
             plan = self._plan_read(task, peer.layout)
-            task.xfer = self._transport.post_read(peer.agent_name, plan, b"")
         except KVConnectorError as e:
             self._fail_transfer(task, FailReason.TRANSFER, e)
-            return
+            return None
+        started = self._clock()
         task.phase = RecvPhase.TRANSFER
         task.fenced = True
         task.num_bytes, task.num_descriptors = plan.total_bytes, plan.num_runs
         task.started = started
         task.deadline = started + self._cfg.transfer_timeout_s
         task.claim_deadline = started + self._cfg.handshake_timeout_s
-        self._advance_read(task, self._clock())  # queues the claim
+        self._advance_read(task, started)  # queues the claim
+        return plan
+
+    def _post_read(self, task: RecvTask, peer: _Peer, plan: TransferPlan) -> None:
+        try:
+            task.xfer = self._transport.post_read(peer.agent_name, plan, b"")
+        except KVConnectorError as e:
+            self._fail_transfer(task, FailReason.TRANSFER, e)
 
     def _plan_read(self, task: RecvTask, remote: KVLayout) -> TransferPlan:
         """Blocks paired one to one where both sides' blocks hold as many tokens; else the task's

@@ -12,6 +12,7 @@ import pytest
 from benchmarks.bench_e2e import evaluate, failed_entry, make_workload, parse_args
 from benchmarks.e2e_client import RequestFailed, request_body
 from benchmarks.e2e_configs import (
+    BASELINE_TREE_ENV,
     BUILTIN_LAUNCHER,
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -175,6 +176,9 @@ def test_config_names_are_checked():
         parse_args(["--lengths", "1,128"])
     args = parse_args(["--model-size", "small"])
     assert max(args.length_list) == 2048 and args.config_names == list(DEFAULT_CONFIGS)
+    assert parse_args(["--interleave"]).interleave
+    with pytest.raises(SystemExit):
+        parse_args(["--interleave", "--concurrency", "4"])  # one request at a time
 
 
 def test_builtin_servers_take_their_side_channel_port_from_the_environment(tmp_path: Path):
@@ -188,6 +192,19 @@ def test_builtin_servers_take_their_side_channel_port_from_the_environment(tmp_p
     assert str(BUILTIN_LAUNCHER) in patched.argv and "vllm.entrypoints.openai.api_server" not in patched.argv
     assert patched.env[PROGRESS_DELAY_ENV] == "1000" and PROGRESS_DELAY_ENV not in shipped.env
     assert f'PROGRESS_DELAY_ENV = "{PROGRESS_DELAY_ENV}"' in BUILTIN_LAUNCHER.read_text()  # (importing it patches)
+
+
+def test_baseline_servers_run_in_the_baseline_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`python -m` puts the working directory first on sys.path, before PYTHONPATH: run from this
+    repository, the baseline's servers would import this checkout's kv_connectors."""
+    tree = tmp_path / "old"
+    (tree / "kv_connectors").mkdir(parents=True)
+    monkeypatch.setenv(BASELINE_TREE_ENV, str(tree))
+    p, d = CONFIGS["ours-nixl-pull-baseline"].build(settings_for(tmp_path, "tiny", 128, 8, concurrency=1))
+    for server in (p, d):
+        assert server.cwd == str(tree) and server.env["PYTHONPATH"] == str(tree)
+    ours, _ = CONFIGS["ours-nixl-pull"].build(settings_for(tmp_path, "tiny", 128, 8, concurrency=1))
+    assert ours.cwd is None
 
 
 def test_line_plot_writes_a_png(tmp_path: Path):

@@ -221,3 +221,22 @@ def test_push_under_a_live_lease_writes_d_blocks():
     c.run()
     assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
     assert c.p.finished_sending == {"r1"} and c.p.engine.stats.pushes == 1
+
+
+def test_the_claim_leaves_before_the_read_is_posted():
+    """Engines may copy inside the post call (NIXL over cma): the claim goes first, so that its round
+    trip overlaps the copy instead of following it."""
+    c = Cluster()
+    c.prefill_done("r1", P_BLOCKS)
+    claims_at_post: list[int] = []
+    post_read = c.d.transport.post_read
+
+    def recording(*args, **kwargs):
+        claims_at_post.append(sum(isinstance(m, wire.ClaimRequest) for m in c.fabric.requests))
+        return post_read(*args, **kwargs)
+
+    c.d.transport.post_read = recording
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run()
+    assert claims_at_post == [1], "the read was posted before its claim was sent"
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
