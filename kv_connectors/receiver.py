@@ -137,6 +137,10 @@ class Receiver:
         elif task.phase is RecvPhase.TRANSFER:
             self._advance_transfer(task, now)
 
+    def busy(self) -> bool:
+        """Any load or release under way."""
+        return bool(self._tasks)
+
     def polling(self) -> bool:
         """Something only polling sees is awaited: a posted read in flight, P's write (push: its
         notification), or the time to ask again for a claim P answered "pending"."""

@@ -63,6 +63,10 @@ class Renewer:
         if not producer.keys and producer.future is None:
             del self._producers[peer]
 
+    def busy(self) -> bool:
+        """Heartbeats to send or answers to settle."""
+        return bool(self._producers)
+
     def progress(self) -> None:
         now = self._clock()
         for peer, producer in list(self._producers.items()):

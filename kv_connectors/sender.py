@@ -162,6 +162,10 @@ class Sender:
             self._cancelled[key] = (reason, now)
             self.leases.notice(key, now)
 
+    def busy(self) -> bool:
+        """Anything to advance: leases, push requests queued or waiting, writes."""
+        return self.leases.active or bool(self._waiting or self._writing or self._layerwise) or not self._inbox.empty()
+
     def polling(self) -> bool:
         """A write is in flight or follows this step's forward pass (its completion is polled)."""
         return bool(self._writing or self._layerwise)

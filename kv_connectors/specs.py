@@ -66,3 +66,15 @@ class StepMetadata:
     renew_stop: set[str] = dataclasses.field(default_factory=set)
     # The step schedules no token: the worker may wait briefly for its next event (kv_connectors.idle).
     idle: bool = False
+
+    def has_work(self) -> bool:
+        """Whether the step brings the worker anything (most decode steps bring nothing)."""
+        return bool(
+            self.reqs_to_recv
+            or self.reqs_to_send
+            or self.reqs_failed
+            or self.reqs_layerwise
+            or self.transfers_cancelled
+            or self.renew_start
+            or self.renew_stop
+        )

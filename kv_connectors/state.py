@@ -186,6 +186,12 @@ class SendLeases:
             return done, expired
 
     @property
+    def active(self) -> bool:
+        """Leases held, or ended ones not reported yet."""
+        with self._lock:
+            return bool(self._leases or self._finished)
+
+    @property
     def held_requests(self) -> int:
         with self._lock:
             return len(self._leases)

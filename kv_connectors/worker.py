@@ -35,6 +35,9 @@ _limited = RateLimitedLog(logger)
 _P_TP_TTL_S = 60.0  # how long a producer's TP size, asked once, is trusted (a restart may change it)
 # The longest wait after an empty step while a transfer is in flight (its completion is polled).
 POLL_WAIT_S = 0.0005
+# With nothing held or under way (plain decoding), steps skip the engine's work but for this often:
+# the transport's notifications a peer may still send are drained then (bounded, never lost).
+QUIET_POLL_S = 0.05
 
 TransportFactory = Callable[[str], Transport]
 
@@ -93,6 +96,8 @@ class WorkerEngine:
         self.pacer = IdlePacer(cfg.idle_wait_ms / 1000.0, idle_wait)
         self._idle_step = False  # the current step schedules no token (from the scheduler side)
         self._idle_steps = 0
+        self._last_progress = float("-inf")  # when the engine last advanced (kv_connectors.worker._skips_step)
+        self._step_did_work = True  # this step's start_load ingested or advanced something
         inner = client or sidechannel.SideChannelClient(secret=cfg.side_channel_secret)
         self._client: sidechannel.Client = _WakingClient(inner, self.pacer.wake)
         self._clock = clock
@@ -293,9 +298,13 @@ class WorkerEngine:
         if self._receiver is None or self._sender is None:
             return
         self._idle_step = meta is not None and meta.idle
-        if meta is not None:
+        self._step_did_work = False
+        if meta is not None and meta.has_work():
             self._ingest(meta)
-        self._progress()
+            self._step_did_work = True
+        if not self._skips_step():
+            self._progress()
+            self._step_did_work = True
 
     def _ingest(self, meta: StepMetadata) -> None:
         assert self._receiver is not None and self._sender is not None
@@ -438,6 +447,7 @@ class WorkerEngine:
         """Advance both sides; notices meant for the sender (blocks D is done with) are kept
         until take_results."""
         assert self._receiver is not None and self._sender is not None and self._transport is not None
+        self._last_progress = self._clock()
         if self._deferred or self._probes:
             self._resolve_deferred()
         self._sender.take_requests()  # connect consumers first: their messages may be in this batch
@@ -479,6 +489,9 @@ class WorkerEngine:
         if self._receiver is None or self._sender is None:
             return set(), set(), set()
         idle, self._idle_step = self._idle_step, False
+        did_work, self._step_did_work = self._step_did_work, True
+        if not idle and not did_work and self._skips_step():
+            return set(), set(), set()  # nothing changed: the counters' snapshot still holds
         self._idle_steps += idle
         self.pacer.arm()  # before looking: a reply arriving from now on ends the wait
         results = self._collect()
@@ -488,6 +501,23 @@ class WorkerEngine:
         if not idle or any(results):
             self.pacer.reset()
         return results
+
+    def _skips_step(self) -> bool:
+        """Nothing held or under way (a decode step, most often): the step's work is skipped, the
+        counters stay as they are, except every QUIET_POLL_S (the transport's queue is drained)."""
+        assert self._receiver is not None and self._sender is not None and self._renewer is not None
+        busy = (
+            self._receiver.busy()
+            or self._sender.busy()
+            or self._renewer.busy()
+            or self._deferred
+            or self._probes
+            or self._notices
+            or (self._staging is not None and self._staging.busy())
+        )
+        if busy or self._clock() - self._last_progress >= QUIET_POLL_S:
+            return False
+        return True
 
     def _collect(self) -> tuple[set[str], set[str], set[str]]:
         assert self._receiver is not None and self._sender is not None

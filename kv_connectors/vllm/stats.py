@@ -75,10 +75,14 @@ class IntervalStats:
 
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
+        self._last_snapshot: wire.StatsReply | None = None
 
     def take(
         self, snapshot: wire.StatsReply, durations: list[float], phases: dict[Phase, list[float]] | None = None
     ) -> KvcStats | None:
+        if snapshot is self._last_snapshot and not durations and not any((phases or {}).values()):
+            return None  # the engine took no new snapshot (a quiet step): nothing changed
+        self._last_snapshot = snapshot
         now = {name: getattr(snapshot, name) for name in (*COUNTERS, *GAUGES)}
         stats = KvcStats()
         stats.data["counters"] = {name: now[name] - self._last.get(name, 0) for name in COUNTERS}

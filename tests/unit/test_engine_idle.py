@@ -8,7 +8,7 @@ import threading
 from kv_connectors import wire
 from kv_connectors.idle import MIN_WAIT_S, IdlePacer
 from kv_connectors.specs import StepMetadata
-from kv_connectors.worker import POLL_WAIT_S
+from kv_connectors.worker import POLL_WAIT_S, QUIET_POLL_S
 from tests.unit.engine_harness import Cluster
 
 P_BLOCKS = (1, 2, 3)
@@ -158,3 +158,42 @@ def test_side_channel_answers_and_requests_wake_the_engine():
 
 def test_empty_metadata_is_not_idle_by_default():
     assert StepMetadata().idle is False
+
+
+# quiet steps ------------------------------------------------------------------------------------
+def test_steps_with_nothing_held_or_under_way_skip_the_engine_but_drain_the_transport():
+    """Plain decoding: nothing held, nothing loading. The steps skip the engine's work (a
+    measurable share of a decode step otherwise), except every QUIET_POLL_S, when whatever a
+    peer sent on the transport is read (never left to pile up)."""
+    c = Cluster()
+    c.prefill_done("r1", P_BLOCKS)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(5)
+    assert c.d.finished_recving == {"d1"}
+    reads: list[int] = []
+    get_notifs = c.d.transport.get_notifs
+    c.d.transport.get_notifs = lambda: reads.append(1) or get_notifs()
+    before, snapshots = c.d.engine.stats, set()
+    for _ in range(100):  # 100 decode steps of 1 ms
+        c.clock.advance(0.001)
+        c.d.step()
+        snapshots.add(id(c.d.engine.stats))
+    # a step that does run reads the transport twice (start_load, get_finished); without: 200 reads
+    assert 1 <= len(reads) <= 2 * (100 * 0.001 / QUIET_POLL_S + 1), f"{len(reads)} transport reads in 100 quiet steps"
+    assert c.d.engine.stats == before and len(snapshots) <= len(reads), "quiet steps took new snapshots of the counters"
+    c.p.transport.send_notif(c.d.transport.name, b"from a peer, while D is quiet")
+    for _ in range(int(QUIET_POLL_S / 0.001) + 1):
+        c.clock.advance(0.001)
+        c.d.step()
+    assert c.d.transport._inbox == [], "a quiet D left the peer's message in the transport"
+
+
+def test_a_step_that_brings_work_is_never_skipped():
+    c = Cluster()
+    c.run(3)  # quiet
+    c.prefill_done("r1", P_BLOCKS)  # the lease arrives with the step's metadata
+    assert c.p.engine.stats.held_blocks == len(P_BLOCKS)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(5)
+    assert c.d.finished_recving == {"d1"} and c.p.finished_sending == {"r1"}
+    assert c.p.engine.stats.held_blocks == 0
