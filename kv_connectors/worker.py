@@ -390,7 +390,10 @@ class WorkerEngine:
             if len(sources) > 1 or sources[0][1][1] != self._tp_size:
                 self._check_heterogeneous(p_tp)
         except KVConnectorError as e:
-            self._fail_load(rid, FailReason.BAD_PARAMS, str(e))
+            if spec.report:
+                self._fail_load(rid, FailReason.BAD_PARAMS, str(e))
+            else:  # a release (vLLM is done with the request): not a load, never reported
+                _limited.warning("release", "request %s: cannot tell the producer to free its blocks: %s", rid, e)
             return
         for sub, (p_rank, src_tp) in sources:
             self._receiver.add(

@@ -142,6 +142,17 @@ def assert_pd_matches_colocated(
     return len(prompts)
 
 
+def assert_push_matches_colocated(reference, prefill_server, decode_server, proxy, prompts=PROMPTS, p_tp=1, d_tp=1) -> int:
+    """assert_pd_matches_colocated with D pushing: every P rank also wrote each prompt into each D rank
+    reading it (and only that). Returns how many prompts went through P and D."""
+    writes = [reader_count(TINY_KV_HEADS, p_tp, d_tp, r) for r in range(p_tp)]  # per P rank, per prompt
+    p0 = [stats(prefill_server, rank=r).pushes for r in range(p_tp)]
+    sent = assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy, prompts, p_tp=p_tp, d_tp=d_tp)
+    pushed = [stats(prefill_server, rank=r).pushes - p0[r] for r in range(p_tp)]
+    assert pushed == [sent * w for w in writes], f"P's ranks wrote {pushed} times for {sent} prompts"
+    return sent
+
+
 def assert_foreign_kv_changes_output(reference, perturbed_producer, decode_server) -> None:
     """P with perturbed K/V weights (same compatibility hash): D's output follows P's KV.
 

@@ -20,7 +20,13 @@ from kvc_testing.cluster import (
     stats,
 )
 from kvc_testing.procs import VllmServer
-from tests.e2e.checks import MAX_TOKENS, assert_pd_matches_colocated, assert_transfer_id_flow_matches, fresh_prompts
+from tests.e2e.checks import (
+    MAX_TOKENS,
+    assert_pd_matches_colocated,
+    assert_push_matches_colocated,
+    assert_transfer_id_flow_matches,
+    fresh_prompts,
+)
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 HANDSHAKE_S = 5.0
@@ -89,9 +95,27 @@ def test_mooncake_push_between_block_sizes(reference, tiny_model):
     )
     with p, d, ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
-        p0 = stats(p)
-        sent = assert_pd_matches_colocated(reference, p, d, proxy, prompts=fresh_prompts(45))
-        assert stats(p).pushes - p0.pushes == sent, "P did not write the blocks"
+        assert_push_matches_colocated(reference, p, d, proxy, prompts=fresh_prompts(45))
+
+
+def test_nixl_push_from_block64_into_block32(reference, tiny_model, p64):
+    """D (32-token blocks) asks P (64-token blocks) to write: P maps the tokens D names into D's blocks."""
+    d = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-push-block32",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
+    )
+    with d, ProxyProcess([p64.url], [d.url]) as proxy:
+        proxy.wait_ready()
+        assert_push_matches_colocated(reference, p64, d, proxy, prompts=fresh_prompts(47))
+
+
+def test_transfer_id_flow_from_block32_into_block64_with_layerwise_push(reference, prefill_server, d64):
+    """P and D at once, D first: P (32-token blocks) writes each layer's tokens into D's 64-token blocks."""
+    prompts = fresh_prompts(48)[-4:]
+    assert assert_transfer_id_flow_matches(reference, prefill_server, d64, prompts, d_first=True) == len(prompts)
 
 
 def test_transfer_id_flow_between_block_sizes_with_layerwise_push(reference, p64, decode_server):

@@ -6,6 +6,7 @@ asks P's rank 0 for its TP size)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,13 +15,19 @@ from kvc_testing.cluster import (
     ENTRY_POINT_FORM,
     MODULE_FORM,
     ProxyProcess,
+    generate,
+    make_prompts,
+    output_ids,
     pd_server,
+    prefill,
     stats,
+    wait_until,
 )
 from kvc_testing.procs import VllmServer
 from tests.e2e.checks import (
     assert_foreign_kv_changes_output,
     assert_pd_matches_colocated,
+    assert_push_matches_colocated,
     assert_transfer_id_flow_matches,
     fresh_prompts,
 )
@@ -99,10 +106,26 @@ def test_prefill_tp2_to_decode_tp1_push(reference, tiny_model, tp_prefill):
     )
     with d, ProxyProcess([tp_prefill.url], [d.url], extra_args=_PROXY_ARGS) as proxy:
         proxy.wait_ready()
-        p0 = [stats(tp_prefill, rank=r).pushes for r in range(TP)]
-        prompts = fresh_prompts(34)
-        sent = assert_pd_matches_colocated(reference, tp_prefill, d, proxy, prompts=prompts, p_tp=TP, d_tp=1)
-        assert [stats(tp_prefill, rank=r).pushes - p0[r] for r in range(TP)] == [sent] * TP
+        assert_push_matches_colocated(reference, tp_prefill, d, proxy, prompts=fresh_prompts(34), p_tp=TP, d_tp=1)
+
+
+def test_push_into_decode_tp2_from_prefill_tp2_and_tp1(reference, tiny_model, tp_prefill, prefill_server):
+    """Push into a D at TP 2: from P at TP 2 each P rank writes its head into the D rank of its
+    number; from P at TP 1 P's one rank writes each D rank its head (two writes per prompt)."""
+    d = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-tp2-push",
+        max_model_len=MAX_MODEL_LEN,
+        tp=TP,
+        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": TRANSFER_S},
+        **_CORE[1],
+    )
+    with d:
+        for p, p_tp, seed in ((tp_prefill, TP, 37), (prefill_server, 1, 38)):
+            with ProxyProcess([p.url], [d.url], extra_args=_PROXY_ARGS) as proxy:
+                proxy.wait_ready()
+                assert_push_matches_colocated(reference, p, d, proxy, prompts=fresh_prompts(seed), p_tp=p_tp, d_tp=TP)
 
 
 def test_tp2_transfer_id_flow_with_layerwise_push(reference, tp_prefill, tp_decode):
@@ -129,3 +152,28 @@ def test_transfer_id_flow_between_tp_sizes_with_layerwise_push(reference, prefil
     assert assert_transfer_id_flow_matches(reference, prefill_server, tp_decode, prompts, d_first=True, d_tp=TP) == len(prompts)
     prompts = fresh_prompts(36)[-3:]
     assert assert_transfer_id_flow_matches(reference, tp_prefill, decode_server, prompts, d_first=True, p_tp=TP) == len(prompts)
+
+
+def test_prefill_tp4_into_decode_tp1_is_refused_at_once_naming_both_sizes(reference, tiny_model, prefill_server, decode_server):
+    """The tiny model's 2 KV heads on 4 prefill ranks: ranks 0 and 1 hold head 0, ranks 2 and 3 head
+    1. A decode rank reads each head from one of them, so P ranks 1 and 3 would hold their blocks for
+    a reader that never comes: the load is refused at once (not at a deadline), with both TP sizes
+    named; D keeps serving, and P's lease frees what it held."""
+    p = pd_server(tiny_model, "kv_producer", name="P-tp4", max_model_len=MAX_MODEL_LEN, tp=4, extra_config={"lease_s": 5})
+    prompt = make_prompts([120], seed=39)[0]
+    with p:
+        params = prefill(p.url, prompt)
+        d0 = stats(decode_server)
+        t0 = time.monotonic()
+        r = generate(decode_server.url, prompt, 8, kv_transfer_params=params, timeout=60)
+        elapsed = time.monotonic() - t0
+        failed = r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error"
+        assert failed, f"D answered {r.status_code} {r.text[:200]} from a split it cannot read"
+        assert elapsed < 5.0, f"refused after {elapsed:.1f} s, not at once (D's handshake deadline is 5 s)"
+        assert stats(decode_server).recv_failures == d0.recv_failures + 1
+        log = decode_server.log_tail(200)
+        assert "prefill tensor_parallel_size 4 and decode 1" in log, "D's log does not name both sizes"
+        wait_until(lambda: all(stats(p, rank=r).held_blocks == 0 for r in range(4)), 30, "P's lease to free its blocks")
+    other = make_prompts([90], seed=40)[0]
+    got = output_ids(generate(decode_server.url, other, 8, kv_transfer_params=prefill(prefill_server.url, other)))
+    assert got == output_ids(generate(reference.url, other, 8)), "D stopped serving loads"

@@ -207,6 +207,18 @@ def test_a_prefill_rank_nobody_would_read_is_refused(caplog):
     assert "would never be read" in caplog.text
 
 
+def test_a_release_for_a_split_nobody_can_read_is_not_a_failed_load():
+    """vLLM finishes a request whose load was refused (and a copy it never scheduled): the release
+    that follows cannot be mapped either; it is dropped (P's lease frees the blocks), never reported
+    or counted as a second failed load."""
+    c = Cluster(p_tp=4, heads=2)
+    _params_recv([c.d], "d1", "r1", p_tp=4)
+    _params_recv([c.d], "d1", "r1", p_tp=4, report=False)
+    _run(c, [c.d])
+    assert c.d.failed_recving == {"d1"} and c.d.recv_reports == ["d1"]
+    assert c.d.engine.stats.recv_failures == 1
+
+
 def test_releases_reach_every_prefill_rank_read_from():
     c, p1 = _p_tp2(key="r1")
     _params_recv([c.d], "d1", "r1", p_tp=2, report=False)
