@@ -29,7 +29,7 @@ class IdlePacer:
         self._event = threading.Event()
         self._wait = wait or self._event.wait
         self._next = MIN_WAIT_S
-        self.waits = 0  # how many empty steps waited (for tests and stats)
+        self.waits = 0  # how many empty steps waited
 
     @property
     def enabled(self) -> bool:

@@ -488,7 +488,7 @@ class WorkerEngine:
 
         At the end of a step that scheduled no token and finished nothing, waits briefly for the
         next event (kv_connectors.idle) and looks again, instead of returning to vLLM's next empty
-        step at once."""
+        step at once. A step with nothing held or under way returns at once (_skips_step)."""
         if self._receiver is None or self._sender is None:
             return set(), set(), set()
         idle, self._idle_step = self._idle_step, False
@@ -518,9 +518,7 @@ class WorkerEngine:
             or self._notices
             or (self._staging is not None and self._staging.busy())
         )
-        if busy or self._clock() - self._last_progress >= QUIET_POLL_S:
-            return False
-        return True
+        return not busy and self._clock() - self._last_progress < QUIET_POLL_S
 
     def _collect(self) -> tuple[set[str], set[str], set[str]]:
         assert self._receiver is not None and self._sender is not None
