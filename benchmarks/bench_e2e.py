@@ -100,6 +100,11 @@ def make_workload(lengths: Sequence[int], repeats: int, seed: int, max_tokens: i
     return Workload(tuple(lengths), prompts, warmup, max_tokens, concurrency, timeout_s)
 
 
+def cpu_figure(cpu_s: float, workload: Workload) -> dict[str, float]:
+    """The servers' CPU time (user + system, whole process groups) per measured request, in ms."""
+    return {"cpu_ms_per_request": round(cpu_s * 1000 / len(workload.prompts), 1)}
+
+
 def failed_entry(description: str, error: str, notes: Sequence[str] = (), **extra: Any) -> dict[str, Any]:
     """A configuration without figures (every figure None): it failed to start, errored or mismatched."""
     return {
@@ -146,7 +151,7 @@ def run_colocated(settings: ServerSettings, workload: Workload) -> tuple[dict[st
             run_load(server.url, workload.warmup, workload.max_tokens, 1, workload.timeout_s)
             cpu0 = server.group_cpu_seconds()
             results, wall = run_load(server.url, workload.prompts, workload.max_tokens, workload.concurrency, workload.timeout_s)
-            cpu = {"cpu_ms_per_request": round((server.group_cpu_seconds() - cpu0) * 1000 / len(workload.prompts), 1)}
+            cpu = cpu_figure(server.group_cpu_seconds() - cpu0, workload)
     except RuntimeError as e:
         return failed_entry(desc, f"colocated server: {e}"), None
     figures, error, details = evaluate(results, wall, None, lengths)
@@ -256,8 +261,16 @@ def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, referenc
     error = error or kv_error
     if figures is None or error:
         return failed_entry(cfg.description, error or "", cfg.notes, **details)
-    cpu = {"cpu_ms_per_request": round(cpu_s * 1000 / len(workload.prompts), 1)}
-    return {"ok": True, "error": None, "description": cfg.description, "notes": list(cfg.notes), **details, **figures, **kv, **cpu}
+    return {
+        "ok": True,
+        "error": None,
+        "description": cfg.description,
+        "notes": list(cfg.notes),
+        **details,
+        **figures,
+        **kv,
+        **cpu_figure(cpu_s, workload),
+    }
 
 
 @dataclasses.dataclass
@@ -290,8 +303,16 @@ def _entry(live: _Live, workload: Workload, reference: Sequence[tuple[int, ...]]
         error = error or kv_error
     if figures is None or error:
         return failed_entry(desc, error or "", notes, **details)
-    cpu = {"cpu_ms_per_request": round(live.cpu_s * 1000 / len(workload.prompts), 1)}
-    return {"ok": True, "error": None, "description": desc, "notes": list(notes), **details, **figures, **kv, **cpu}
+    return {
+        "ok": True,
+        "error": None,
+        "description": desc,
+        "notes": list(notes),
+        **details,
+        **figures,
+        **kv,
+        **cpu_figure(live.cpu_s, workload),
+    }
 
 
 def run_interleaved(names: Sequence[str], settings: ServerSettings, workload: Workload) -> dict[str, dict[str, Any]]:

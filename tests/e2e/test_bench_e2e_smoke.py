@@ -11,14 +11,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("colocated", "ours-nixl-pull", "builtin-nixl")
-REQUIRED = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_mean_ms", "kv_bytes", "gbps")
+REQUIRED = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_mean_ms", "kv_bytes", "gbps", "cpu_ms_per_request")
 LENGTHS = (64, 160)
 MAX_TOKENS = 8
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_bench_e2e_reports_every_config_with_matching_outputs():
+@pytest.mark.parametrize("interleave", [False, True], ids=["one-after-another", "interleaved"])
+def test_bench_e2e_reports_every_config_with_matching_outputs(interleave: bool):
     argv = [
         sys.executable,
         "-m",
@@ -32,6 +33,7 @@ def test_bench_e2e_reports_every_config_with_matching_outputs():
         "--max-tokens",
         str(MAX_TOKENS),
         "--json",
+        *(["--interleave"] if interleave else []),
     ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=540)
     out = proc.stdout
@@ -45,6 +47,7 @@ def test_bench_e2e_reports_every_config_with_matching_outputs():
         for key in REQUIRED:
             assert key in r, (name, key)
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["ttft_mean_ms"] > 0
+        assert r["cpu_ms_per_request"] > 0, (name, "the servers' CPU time was not measured")
         assert r["e2e_mean_ms"] >= r["ttft_mean_ms"]
         assert sorted(int(k) for k in r["ttft_by_length_ms"]) == list(LENGTHS)
     # tiny model: 1 KiB of KV per token (2 layers x K,V x 2 heads x 32 x float32), whole blocks of 32 tokens
