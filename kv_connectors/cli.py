@@ -1,7 +1,8 @@
 """`kv-connectors` (also `python -m kv_connectors`): operator commands that need no running server.
 
-`doctor [--config JSON] [--json]`: versions, devices, UCX, THP, a short probe per transport and a
-recommendation (kv_connectors/doctor.py); exit 2 when the given configuration cannot work here.
+`doctor [--config JSON] [--peer HOST ...] [--json]`: versions, devices, UCX, THP, a short probe per
+transport, the interface and UCX transport that reach each peer, and a recommendation
+(kv_connectors/doctor.py); exit 2 when the given configuration cannot work here or a peer is unreachable.
 
 `check-config '<--kv-transfer-config JSON>'` validates a P or D configuration offline with the checks
 the connector runs at start-up (the same functions, so the same errors): which connector the JSON
@@ -140,9 +141,10 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from kv_connectors import doctor  # numpy and the engines: only for this command
 
-    report = doctor.diagnose(probe_paths=not args.no_probe, config=args.config)
+    report = doctor.diagnose(probe_paths=not args.no_probe, config=args.config, peers=args.peer or ())
     print(json.dumps(report) if args.json else doctor.render(report))
-    return 2 if report.get("config_problems") else 0
+    unreachable = any("error" in p for p in report.get("peers", []))
+    return 2 if report.get("config_problems") or unreachable else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="what this host offers (versions, devices, UCX, a short probe) and what to configure")
     doc.add_argument("--config", help="also check this --kv-transfer-config here (exit 2 if it cannot work)")
     doc.add_argument("--no-probe", action="store_true", help="skip the two-process bandwidth probe")
+    doc.add_argument(
+        "--peer",
+        action="append",
+        metavar="HOST",
+        help="a P or D host this one exchanges KV with: the interface and UCX transport that reach it "
+        "(repeatable; exit 2 if unreachable)",
+    )
     doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
     doc.set_defaults(run=_doctor)
     return parser

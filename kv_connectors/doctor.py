@@ -6,19 +6,25 @@ environment and what UCX will use; transparent huge pages; then a short two-proc
 installed transport (READ and WRITE of scattered 16 KiB blocks, direct and through CPU staging) and
 a recommendation: transport, mode, staging, the environment to set, and loud warnings. With
 `--config '<kv-transfer-config JSON>'` it also checks that configuration here (as `check-config
---here`) and exits 2 when it cannot work on this host.
+--here`) and exits 2 when it cannot work on this host. With `--peer HOST` (P's host on D, D's on P)
+it says which interface reaches that host and what UCX will use there (cma/shm on this host, rc/ud
+where an RDMA device sits behind the interface and UCX_TLS allows it, else tcp), with a warning for
+TCP and for a UCX_NET_DEVICES that leaves that interface out; exit 2 when a peer is unreachable.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import multiprocessing as mp
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -123,6 +129,66 @@ def ucx(dev: dict[str, Any]) -> dict[str, Any]:
     if tls and not any(t in tls for t in ("rc", "ud", "dc", "ib", "all")) and dev["rdma_devices"]:
         across = f"tcp: UCX_TLS={tls} leaves the RDMA devices out"
     return {"env": env, "within_host": within, "across_hosts": across}
+
+
+def route(address: str) -> dict[str, Any]:
+    """How the kernel reaches `address` (`ip -j route get`): {"type", "dev", ...}, or {"error"}."""
+    if shutil.which("ip") is None:
+        return {"error": "`ip` (iproute2) is not installed: cannot tell the interface"}
+    try:
+        proc = subprocess.run(["ip", "-j", "route", "get", address], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"error": f"ip route get {address}: {e}"}
+    if proc.returncode != 0:
+        return {"error": f"no route to {address}: {proc.stderr.strip() or 'ip route get failed'}"}
+    try:
+        entries = json.loads(proc.stdout)
+    except ValueError:
+        return {"error": f"ip route get {address}: unreadable answer"}
+    return dict(entries[0]) if entries else {"error": f"no route to {address}"}
+
+
+def _rdma_of(dev: str) -> list[str]:
+    """The RDMA devices behind a network interface (its PCI function's infiniband/ entries)."""
+    ib = _SYS / "class" / "net" / dev / "device" / "infiniband"
+    return sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+
+
+def peer_path(host: str, dev: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """What UCX will use between this host and a peer at `host`: the interface the kernel routes
+    through, the RDMA device behind it (if any), and whether UCX_TLS / UCX_NET_DEVICES let UCX
+    use them. Deduced from the routing table and sysfs (UCX is not asked); warnings for traps."""
+    out: dict[str, Any] = {"peer": host, "warnings": []}
+    try:
+        address = str(socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0])
+    except (OSError, UnicodeError) as e:
+        return {**out, "error": f"cannot resolve {host}: {e}"}
+    out["address"] = address
+    r = route(address)
+    if "error" in r:
+        return {**out, "error": r["error"]}
+    out["interface"] = r.get("dev")
+    tls, net_devices = env.get("UCX_TLS", ""), env.get("UCX_NET_DEVICES", "")
+    if r.get("type") == "local":
+        out["transport"] = "cma/shm (same host, host memory)" + (", cuda_ipc (GPU memory)" if dev["gpus"] else "")
+        return out
+    rdma = _rdma_of(str(out["interface"]))
+    out["rdma_devices"] = rdma
+    rdma_allowed = not tls or any(t in tls for t in ("rc", "ud", "dc", "ib", "all"))
+    if rdma and rdma_allowed:
+        out["transport"] = f"rc/ud over {','.join(rdma)} (behind {out['interface']})"
+    else:
+        out["transport"] = f"tcp over {out['interface']}"
+        why = f"UCX_TLS={tls} leaves {','.join(rdma)} out" if rdma else f"{out['interface']} has no RDMA device"
+        out["warnings"].append(f"transfers to {host} go over TCP ({why}): expect the interface's TCP throughput, not RDMA's")
+    if net_devices and net_devices != "all":
+        names = {d.split(":")[0] for d in net_devices.split(",")}
+        if not names & {out["interface"], *rdma}:
+            out["warnings"].append(
+                f"UCX_NET_DEVICES={net_devices} does not include {out['interface']}, the interface that reaches "
+                f"{host}: UCX may fail to connect or wait until a timeout; add it"
+            )
+    return out
 
 
 # The probe -------------------------------------------------------------------------------------
@@ -243,6 +309,8 @@ def recommend(report: dict[str, Any]) -> dict[str, Any]:
     warnings: list[str] = list(report["known_problems"])
     env: dict[str, str] = {}
     direct = {k: v for k, v in paths.items() if not k.endswith("+staged") and "error" not in v}
+    if not paths:
+        return {"transport": None, "warnings": warnings}  # --no-probe: nothing measured, nothing to recommend
     if not direct:
         return {"transport": None, "warnings": [*warnings, "no transport works on this host: install kv-connectors[nixl]"]}
     best = max(direct, key=lambda k: direct[k]["read_gbps"])
@@ -281,8 +349,6 @@ def recommend(report: dict[str, Any]) -> dict[str, Any]:
 
 def config_problems(config_json: str) -> list[str]:
     """What stops `config_json` (a --kv-transfer-config) on this host; [] if nothing."""
-    import json
-
     from kv_connectors import cli
 
     try:
@@ -295,7 +361,7 @@ def config_problems(config_json: str) -> list[str]:
     return problems
 
 
-def diagnose(*, probe_paths: bool = True, config: str | None = None) -> dict[str, Any]:
+def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequence[str] = ()) -> dict[str, Any]:
     v = versions()
     dev = devices()
     report: dict[str, Any] = {
@@ -316,6 +382,9 @@ def diagnose(*, probe_paths: bool = True, config: str | None = None) -> dict[str
             for staged in (False, True):
                 report["probe"][kind + ("+staged" if staged else "")] = probe(kind, staged)
     report["recommendation"] = recommend(report)
+    if peers:
+        report["peers"] = [peer_path(host, dev, report["ucx"]["env"]) for host in peers]
+        report["recommendation"]["warnings"] += [w for p in report["peers"] for w in p["warnings"]]
     if config is not None:
         report["config_problems"] = config_problems(config)
     return report
@@ -343,6 +412,11 @@ def render(report: dict[str, Any]) -> str:
             f"recommendation: transport {rec['transport']}, mode {rec['mode']}, staging {rec['staging']}"
             + (f", env {rec['env']}" if rec["env"] else "")
         )
+    for p in report.get("peers", []):
+        if "error" in p:
+            lines.append(f"peer {p['peer']}: FAILED: {p['error']}")
+        else:
+            lines.append(f"peer {p['peer']} ({p['address']}): via {p['interface']}, UCX will use {p['transport']}")
     lines += [f"WARNING: {w}" for w in rec["warnings"]]
     lines += [f"CONFIG PROBLEM: {p}" for p in report.get("config_problems", [])]
     return "\n".join(lines)

@@ -107,3 +107,35 @@ def test_cut_link_fails_the_load_within_the_deadlines_and_recovers(tiny_model, r
         # P frees the unread blocks at its lease; loads work again over the restored link.
         wait_until(lambda: _stats(hosts.p).held_blocks == 0, 30, "P to free the blocks after the lease")
         _exact_through_proxy(reference, p, d, hosts, make_prompts([90, 260], seed=25))
+
+
+def _doctor_in(host: netns.Host, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        ["ip", "netns", "exec", host.netns, sys.executable, "-m", "kv_connectors", "doctor", "--no-probe", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_doctor_on_d_names_the_interface_and_transport_that_reach_p(hosts):
+    """From D's namespace: P is reached over TCP through eth0 (no RDMA there), its own address is
+    this host, a UCX_NET_DEVICES of lo is called out, and an address nobody routes is exit 2."""
+    code, r = _doctor_in(hosts.d, "--peer", hosts.p.address, "--peer", hosts.d.address)
+    assert code == 0, r
+    to_p, to_self = r["peers"]
+    assert (to_p["interface"], to_p["transport"]) == ("eth0", "tcp over eth0"), to_p
+    assert any(f"transfers to {hosts.p.address} go over TCP" in w for w in r["recommendation"]["warnings"])
+    assert to_self["transport"].startswith("cma/shm"), to_self
+    code, r = _doctor_in(hosts.d, "--peer", hosts.p.address, env={"UCX_NET_DEVICES": "lo"})
+    assert code == 0 and any("UCX_NET_DEVICES=lo does not include eth0" in w for w in r["peers"][0]["warnings"]), r
+    code, r = _doctor_in(hosts.d, "--peer", "203.0.113.9")  # the namespace has no default route
+    assert code == 2 and "no route to 203.0.113.9" in r["peers"][0]["error"], r
