@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -10,6 +12,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,7 +20,7 @@ import numpy as np
 from kv_connectors.layout import KVLayout, rank_heads, source_ranks
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.transports.base import Transport, XferState
-from kvc_testing import peers
+from kvc_testing import netns, peers
 from kvc_testing.peers import (
     F32,
     HEAD_DIM_X2,
@@ -154,23 +157,28 @@ def memcpy_gbps(nbytes: int, repeat: int) -> list[float]:
     return out
 
 
-def _tcp_sender(port: int, nbytes: int, repeat: int) -> None:
-    """The other process of the raw TCP baseline: sends nbytes, repeat times, from one buffer."""
-
+def _tcp_sender(address: str, port: int, nbytes: int, repeat: int, namespace: str = "") -> None:
+    """The other process of the raw TCP baseline: sends nbytes, repeat times, from one buffer (from
+    P's network namespace with --two-hosts)."""
+    if namespace:
+        netns.enter(namespace)
     data = memoryview(np.full(nbytes, 7, dtype=np.uint8))
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with socket.create_connection((address, port)) as s:
         for _ in range(repeat):
             s.sendall(data)
             s.recv(1)  # the receiver's go-ahead: each repeat is timed alone
 
 
-def tcp_gbps(nbytes: int, repeat: int) -> list[float]:
-    """The same bytes over a plain TCP socket on loopback between two processes (sendall/recv_into):
-    what the wire path alone delivers here, the yardstick for transports restricted to TCP."""
+def tcp_gbps(nbytes: int, repeat: int, hosts: netns.TwoHosts | None = None) -> list[float]:
+    """The same bytes over a plain TCP socket between two processes (sendall/recv_into), on loopback
+    or, with hosts, from P's namespace to D's across the veth pairs: what the wire path alone
+    delivers here, the yardstick for transports restricted to TCP."""
 
     ctx = mp.get_context("spawn")
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        proc = ctx.Process(target=_tcp_sender, args=(server.getsockname()[1], nbytes, repeat), daemon=True)
+    address = hosts.d.address if hosts else "127.0.0.1"
+    with socket.create_server((address, 0)) as server:
+        sender = (address, server.getsockname()[1], nbytes, repeat, hosts.p.netns if hosts else "")
+        proc = ctx.Process(target=_tcp_sender, args=sender, daemon=True)
         proc.start()
         server.settimeout(60)
         conn, _ = server.accept()
@@ -255,11 +263,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pool, chunk = (args.pool_mib << 20, args.chunk_kib << 10) if args.staging == "on" else (0, 0)
     # P holds the blocks D reads (pull), or sentinels the other process writes into (push).
     p_spec = engine_spec(args, "bench-p", p_shape, "sentinel" if push else "pattern", pool, chunk)
+    d_spec = engine_spec(args, "bench-d", d_shape, "sentinel", pool, chunk)
+    hosts: netns.TwoHosts | None = getattr(args, "hosts", None)
+    if hosts is not None:  # --two-hosts: P's process in its namespace; this one (D) is in D's already
+        p_spec = dataclasses.replace(p_spec, host=hosts.p.address, netns=hosts.p.netns)
+        d_spec = dataclasses.replace(d_spec, host=hosts.d.address)
     transport = None
     p: Peer | None = None
     try:
         # D: every byte marked "not copied" (also prefaults); push fills the pattern below.
-        transport, kv, local = open_side(engine_spec(args, "bench-d", d_shape, "sentinel", pool, chunk))
+        transport, kv, local = open_side(d_spec)
         p = start_p(p_spec)
         transport.connect("bench-p", p.metadata)
         if args.staging == "on" and p.call("connect", "bench-d", transport.local_metadata()) != "ok":
@@ -314,9 +327,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notifs = wait_notifs(p, expected=args.repeat + 1)
         gbps = [plan.total_bytes / s / 1e9 for s in secs]
         mem = memcpy_gbps(plan.total_bytes, args.repeat)
-        tcp = tcp_gbps(plan.total_bytes, args.repeat) if args.tcp_baseline else []
+        tcp = tcp_gbps(plan.total_bytes, args.repeat, hosts) if args.tcp_baseline else []
         return {
             "transport": args.transport,
+            "path": "two hosts (network namespaces, veth and bridge)" if hosts else "loopback",
             "op": "WRITE" if push else "READ",
             "mode": args.mode,
             "order": args.order,
@@ -404,7 +418,8 @@ def report(r: dict[str, Any]) -> None:
     print(f"memcpy, {r['memcpy']}: best {r['memcpy_gbps_best']:.2f}, median {r['memcpy_gbps']:.2f} GB/s")
     print(f"ratio transport/memcpy (medians): {r['ratio']:.3f}")
     if "tcp_gbps" in r:
-        print(f"raw TCP loopback (two processes, sendall/recv_into): median {r['tcp_gbps']:.2f} GB/s; ratio {r['ratio_tcp']:.3f}")
+        where = "loopback" if r.get("path", "loopback") == "loopback" else "P's namespace to D's"
+        print(f"raw TCP, {where} (two processes, sendall/recv_into): median {r['tcp_gbps']:.2f} GB/s; ratio {r['ratio_tcp']:.3f}")
     if r["staging"]:
         print(
             f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak {r['pool_peak_slots']} slots in use (D)"
@@ -470,8 +485,43 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="with --p-tp != --d-tp: first the same bytes between ranks of one TP size holding the same heads (ratio_homogeneous)",
     )
+    ap.add_argument(
+        "--two-hosts",
+        action="store_true",
+        help="P and D in network namespaces of their own joined by veth pairs and a bridge (root; the "
+        "TCP path between hosts): UCX on eth0, Mooncake and the raw TCP baseline on the namespaces' addresses",
+    )
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args(argv)
+    with placement(args):
+        _main(ap, args)
+
+
+@contextlib.contextmanager
+def placement(args: argparse.Namespace) -> Iterator[None]:
+    """--two-hosts: this process (D) inside D's namespace and args.hosts set while inside (P's
+    process enters P's namespace itself); the namespaces are removed after. Otherwise loopback."""
+    args.hosts = None
+    if not args.two_hosts:
+        yield
+        return
+    why = netns.available()
+    if why is not None:
+        raise SystemExit(f"--two-hosts: {why}")
+    old = os.environ.get("UCX_NET_DEVICES")
+    with netns.two_hosts() as hosts, netns.inside(hosts.d.netns):
+        os.environ["UCX_NET_DEVICES"] = "eth0"  # the namespaces' veth end (inherited by P's process)
+        args.hosts = hosts
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("UCX_NET_DEVICES", None)
+            else:
+                os.environ["UCX_NET_DEVICES"] = old
+
+
+def _main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     axes = {

@@ -8,6 +8,7 @@ device (TCP), nothing is shared through 127.0.0.1. Needs root and `ip` (iproute2
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import shutil
@@ -44,6 +45,40 @@ def available() -> str | None:
     return None
 
 
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int, what: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns into {what}: {os.strerror(err)}")
+
+
+def enter(name: str) -> None:
+    """Move the calling thread into network namespace `name` (`ip netns add` made it); threads and
+    processes it starts from then on are born there. For a process of its own (a benchmark peer)."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        _setns(fd, name)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def inside(name: str) -> Iterator[None]:
+    """The calling thread in namespace `name` while inside, back in its own namespace after."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        enter(name)
+        try:
+            yield
+        finally:
+            _setns(home, "the namespace this thread came from")
+    finally:
+        os.close(home)
+
+
 def _ip(*args: str, netns: str | None = None) -> None:
     argv = ["ip", *(["-n", netns] if netns else []), *args]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
@@ -51,11 +86,25 @@ def _ip(*args: str, netns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
 
 
+def _free_tag() -> int:
+    """A tag (20..219, from this process's id on) whose bridge and namespaces nobody has made: two
+    processes may each set up two hosts at once (a test and the benchmark it runs)."""
+    start = os.getpid() % 200
+    for i in range(200):
+        tag = (start + i) % 200 + 20
+        taken = os.path.exists(f"/sys/class/net/kvcbr{tag}") or any(
+            os.path.exists(f"/var/run/netns/kvc-{role}-{tag}") for role in ("p", "d")
+        )
+        if not taken:
+            return tag
+    raise RuntimeError("no free tag for two hosts (200 bridges kvcbr20..219 exist)")
+
+
 @contextlib.contextmanager
 def two_hosts(tag: int | None = None) -> Iterator[TwoHosts]:
     """Bridge kvcbr<tag> (10.213.<tag>.1/24), namespaces kvc-p-<tag> (.2) and kvc-d-<tag> (.3), each
     with an `eth0` and loopback up; everything is removed on exit."""
-    tag = tag if tag is not None else (os.getpid() % 200) + 20
+    tag = tag if tag is not None else _free_tag()
     bridge, net = f"kvcbr{tag}", f"10.213.{tag}"
     hosts = {role: Host(f"kvc-{role}-{tag}", f"{net}.{i}", f"kvc{role}{tag}") for i, role in ((2, "p"), (3, "d"))}
     made: list[tuple[str, ...]] = []

@@ -336,6 +336,8 @@ class PeerSpec:
     fill: str = "pattern"
     idle: float | None = None  # seconds between progress steps while no command comes
     digest_notifs: bool = True  # take storage_digest() at each notification (tests; too slow for benchmarks)
+    host: str = "127.0.0.1"  # this peer's address (Mooncake's hostname)
+    netns: str = ""  # a network namespace (kvc_testing.netns) the peer process enters first
 
     @property
     def idle_s(self) -> float:
@@ -358,6 +360,7 @@ def engine_config(spec: PeerSpec) -> ConnectorConfig:
         progress_delay_us=spec.progress_delay_us,
         nixl_num_threads=spec.num_threads or 0,
         mooncake_protocol=spec.protocol,
+        side_channel_host=spec.host,
     )
 
 
@@ -483,6 +486,10 @@ def serve(conn: Connection, spec: PeerSpec) -> None:
     progressed in the loop; ("verify", src_ids, dst_ids) -> "ok" or what is wrong (benchmark KV);
     ("stop",) -> close, "bye". A command that raises answers ("error", repr).
     """
+    if spec.netns:
+        from kvc_testing import netns
+
+        netns.enter(spec.netns)  # before any engine starts a thread or opens a socket
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback between the processes
     server = None
     try:

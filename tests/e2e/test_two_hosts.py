@@ -139,3 +139,25 @@ def test_doctor_on_d_names_the_interface_and_transport_that_reach_p(hosts):
     assert code == 0 and any("UCX_NET_DEVICES=lo does not include eth0" in w for w in r["peers"][0]["warnings"]), r
     code, r = _doctor_in(hosts.d, "--peer", "203.0.113.9")  # the namespace has no default route
     assert code == 2 and "no route to 203.0.113.9" in r["peers"][0]["error"], r
+
+
+@pytest.mark.parametrize(("transport", "mode"), [("nixl", "pull"), ("nixl", "push"), ("mooncake", "push")])
+def test_bench_transport_moves_verified_bytes_between_the_namespaces(transport, mode):
+    """bench_transport --two-hosts: P's process in P's namespace, D (the benchmark) in D's, UCX on
+    eth0, the raw TCP baseline across the same veth pairs; the bytes are verified by the benchmark."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "benchmarks.bench_transport", "--two-hosts", "--tcp-baseline", "--json"]
+    argv += ["--transport", transport, "--mode", mode, "--size-mib", "16", "--repeat", "2", "--latency-samples", "3"]
+    if transport == "mooncake":
+        argv += ["--mooncake-protocol", "tcp"]
+    env = {**os.environ, "UCX_TLS": "tcp"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["path"].startswith("two hosts") and r["mode"] == mode
+    assert r["gbps"] > 0 and r["tcp_gbps"] > 0 and r["ratio_tcp"] > 0, r
+    assert "raw TCP, P's namespace to D's" in proc.stdout
