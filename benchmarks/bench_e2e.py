@@ -414,7 +414,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="start every configuration at once and send each prompt to each in turn (concurrency 1): "
         "before/after comparisons on a noisy host (a configuration that spins while idle slows the others)",
     )
+    ap.add_argument(
+        "--pin",
+        metavar="P_CPUS:D_CPUS",
+        help="run every P on P_CPUS and every D (and the colocated server) on D_CPUS (taskset -c lists, "
+        "e.g. 0:1): every configuration gets the same cores, whatever the scheduler would have done",
+    )
     args = ap.parse_args(argv)
+    if args.pin is not None:
+        parts = args.pin.split(":")
+        if len(parts) != 2 or not all(parts):
+            ap.error(f"--pin takes P_CPUS:D_CPUS (e.g. 0:1), got {args.pin!r}")
+        args.pin = (parts[0], parts[1])
     try:
         args.config_names = parse_configs(args.configs)
         args.length_list = parse_lengths(args.lengths or DEFAULT_LENGTHS[args.model_size])
@@ -456,6 +467,8 @@ def run(args: argparse.Namespace, host: str) -> dict[str, dict[str, Any]]:
     lengths = args.length_list
     model = build_tiny_model(variant=args.model_size)
     settings = settings_for(model, args.model_size, max(lengths), args.max_tokens, args.concurrency)
+    if args.pin:
+        settings = dataclasses.replace(settings, p_cpus=args.pin[0], d_cpus=args.pin[1])
     workload = make_workload(lengths, args.repeats, args.seed, args.max_tokens, args.concurrency, args.request_timeout_s)
     print(f"bench_e2e {datetime.datetime.now().isoformat(timespec='seconds')} on {host}")
     print(
@@ -465,7 +478,8 @@ def run(args: argparse.Namespace, host: str) -> dict[str, dict[str, Any]]:
     )
     print(
         f"prompts: lengths {lengths} x {args.repeats} (seed {args.seed}), {args.max_tokens} output tokens, "
-        f"concurrency {args.concurrency}; configs: colocated, {', '.join(args.config_names)}",
+        f"concurrency {args.concurrency}; configs: colocated, {', '.join(args.config_names)}"
+        + (f"; pinned: every P on cores {args.pin[0]}, every D and colocated on {args.pin[1]}" if args.pin else ""),
         flush=True,
     )
     if args.interleave:

@@ -46,6 +46,8 @@ class ServerSettings:
     max_model_len: int
     kv_cache_bytes: int
     block_size: int = BLOCK_SIZE
+    p_cpus: str | None = None  # --pin: P's servers on these cores (taskset), D's and colocated on d_cpus
+    d_cpus: str | None = None
 
     @property
     def staging(self) -> dict[str, Any]:
@@ -54,8 +56,17 @@ class ServerSettings:
         chunk_kib = max(16, min(MAX_STAGING_CHUNK_KIB, pool_kib // 4))
         return {"staging": "on", "staging_pool_kib": pool_kib, "staging_chunk_kib": chunk_kib}
 
-    def server_kwargs(self) -> dict[str, Any]:
-        return {"max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes, "block_size": self.block_size}
+    def server_kwargs(self, role: str = "D") -> dict[str, Any]:
+        """VllmServer keywords for a P ("P") or a D or colocated server ("D"), pinned where --pin says."""
+        kw: dict[str, Any] = {
+            "max_model_len": self.max_model_len,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "block_size": self.block_size,
+        }
+        cpus = self.p_cpus if role == "P" else self.d_cpus
+        if cpus is not None:
+            kw["cpus"] = cpus
+        return kw
 
 
 def settings_for(model: Path, variant: str, longest_prompt: int, max_tokens: int, concurrency: int) -> ServerSettings:
@@ -96,13 +107,18 @@ def _ours(
     source_tree: str | None = None,
 ) -> tuple[VllmServer, VllmServer]:
     kw: dict[str, Any] = settings.server_kwargs()
+    kw.pop("cpus", None)
     if source_tree:  # another checkout of kv-connectors (e.g. the previous release) imported first:
         # `python -m` puts the working directory before PYTHONPATH, so the servers run in that checkout
         kw["extra_env"] = {"PYTHONPATH": source_tree}
         kw["cwd"] = source_tree
-    p = pd_server(settings.model, "kv_producer", form=form, name="P", extra_config=p_extra, **kw)
-    d = pd_server(settings.model, "kv_consumer", form=form, name="D", extra_config=d_extra, **kw)
+    p = pd_server(settings.model, "kv_producer", form=form, name="P", extra_config=p_extra, **kw, **_pin(settings, "P"))
+    d = pd_server(settings.model, "kv_consumer", form=form, name="D", extra_config=d_extra, **kw, **_pin(settings, "D"))
     return p, d
+
+
+def _pin(settings: ServerSettings, role: str) -> dict[str, Any]:
+    return {"cpus": cpus} if (cpus := settings.server_kwargs(role).get("cpus")) is not None else {}
 
 
 def _baseline_tree() -> str:
@@ -130,7 +146,7 @@ def builtin_server(settings: ServerSettings, role: str, name: str, progress_dela
         extra_args=["--kv-transfer-config", builtin_transfer_config(role)],
         extra_env=env,
         name=name,
-        **settings.server_kwargs(),
+        **settings.server_kwargs("P" if role == "kv_producer" else "D"),
     )
     if progress_delay_us is not None:
         module_at = server.argv.index("-m")

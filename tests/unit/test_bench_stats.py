@@ -221,3 +221,23 @@ def test_line_plot_writes_a_png(tmp_path: Path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
     assert width > 300 and height > 200
+
+
+def test_pin_puts_every_p_on_its_cores_and_every_d_and_colocated_on_theirs(tmp_path: Path):
+    """bench_e2e --pin 0:1: ours and the built-in get the same cores (taskset), whatever the scheduler does."""
+    import dataclasses
+
+    from benchmarks.e2e_configs import colocated_server
+
+    args = parse_args(["--pin", "0:1"])
+    assert args.pin == ("0", "1")
+    with pytest.raises(SystemExit):
+        parse_args(["--pin", "0"])
+    pinned = dataclasses.replace(settings_for(tmp_path, "tiny", 128, 8, concurrency=1), p_cpus="0", d_cpus="1")
+    for name in ("ours-nixl-pull", "builtin-nixl-patched", "builtin-nixl"):
+        p, d = CONFIGS[name].build(pinned)
+        assert p.argv[:3] == ["taskset", "-c", "0"], (name, p.argv[:4])
+        assert d.argv[:3] == ["taskset", "-c", "1"], (name, d.argv[:4])
+    assert colocated_server(pinned).argv[:3] == ["taskset", "-c", "1"]
+    p, d = CONFIGS["ours-nixl-pull"].build(settings_for(tmp_path, "tiny", 128, 8, concurrency=1))
+    assert "taskset" not in p.argv and "taskset" not in d.argv  # unpinned by default
