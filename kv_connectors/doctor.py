@@ -126,9 +126,25 @@ def ucx(dev: dict[str, Any]) -> dict[str, Any]:
     within = "cma/shm (same host, host memory)" + (", cuda_ipc (same host, GPU memory)" if dev["gpus"] else "")
     across = "rc/ud over " + ",".join(dev["rdma_devices"]) if dev["rdma_devices"] else "tcp (no RDMA device)"
     tls = env.get("UCX_TLS")
-    if tls and not any(t in tls for t in ("rc", "ud", "dc", "ib", "all")) and dev["rdma_devices"]:
+    if tls and not _rdma_allowed(tls) and dev["rdma_devices"]:
         across = f"tcp: UCX_TLS={tls} leaves the RDMA devices out"
     return {"env": env, "within_host": within, "across_hosts": across}
+
+
+_RDMA_TLS = ("rc", "ud", "dc", "ib")
+
+
+def _rdma_allowed(tls: str) -> bool:
+    """Whether a UCX_TLS value lets UCX use an RDMA device: unset, "all", a list naming an RDMA
+    transport, or an exclusion list ("^...") that leaves them in."""
+    if not tls or tls == "all":
+        return True
+    if tls.startswith("^"):  # what is left out: RDMA stays usable while one of rc, ud, dc is not
+        excluded = tls[1:].split(",")
+        if any(x.startswith("ib") for x in excluded):
+            return False
+        return not all(any(x.startswith(t) for x in excluded) for t in ("rc", "ud", "dc"))
+    return any(t.startswith(_RDMA_TLS) or t == "all" for t in tls.split(","))
 
 
 def route(address: str) -> dict[str, Any]:
@@ -174,8 +190,7 @@ def peer_path(host: str, dev: dict[str, Any], env: dict[str, str]) -> dict[str, 
         return out
     rdma = _rdma_of(str(out["interface"]))
     out["rdma_devices"] = rdma
-    rdma_allowed = not tls or any(t in tls for t in ("rc", "ud", "dc", "ib", "all"))
-    if rdma and rdma_allowed:
+    if rdma and _rdma_allowed(tls):
         out["transport"] = f"rc/ud over {','.join(rdma)} (behind {out['interface']})"
     else:
         out["transport"] = f"tcp over {out['interface']}"

@@ -53,6 +53,24 @@ def test_a_peer_behind_an_rdma_nic_is_reached_over_rdma_unless_ucx_tls_leaves_it
     assert any("UCX_TLS=tcp leaves mlx5_0 out" in w for w in p["warnings"]), p["warnings"]
 
 
+@pytest.mark.parametrize(
+    ("tls", "rdma"),
+    [
+        ("", True),
+        ("all", True),
+        ("rc,sm", True),
+        ("^tcp", True),
+        ("^rc", True),
+        ("tcp", False),
+        ("^rc,ud,dc", False),
+        ("^ib", False),
+    ],
+)
+def test_ucx_tls_lists_and_exclusions(tls: str, rdma: bool, host: dict[str, Any]) -> None:
+    p = doctor.peer_path("192.168.1.7", NO_GPU, {"UCX_TLS": tls} if tls else {})
+    assert p["transport"].startswith("rc/ud") == rdma, (tls, p)
+
+
 def test_ucx_net_devices_without_the_interface_that_reaches_the_peer_is_called_out(host: dict[str, Any]) -> None:
     p = doctor.peer_path("10.1.2.3", NO_GPU, {"UCX_NET_DEVICES": "lo"})
     assert any("UCX_NET_DEVICES=lo does not include eth0" in w for w in p["warnings"]), p["warnings"]
