@@ -106,19 +106,14 @@ def _ours(
     settings: ServerSettings,
     source_tree: str | None = None,
 ) -> tuple[VllmServer, VllmServer]:
-    kw: dict[str, Any] = settings.server_kwargs()
-    kw.pop("cpus", None)
+    kw: dict[str, Any] = {}
     if source_tree:  # another checkout of kv-connectors (e.g. the previous release) imported first:
         # `python -m` puts the working directory before PYTHONPATH, so the servers run in that checkout
         kw["extra_env"] = {"PYTHONPATH": source_tree}
         kw["cwd"] = source_tree
-    p = pd_server(settings.model, "kv_producer", form=form, name="P", extra_config=p_extra, **kw, **_pin(settings, "P"))
-    d = pd_server(settings.model, "kv_consumer", form=form, name="D", extra_config=d_extra, **kw, **_pin(settings, "D"))
+    p = pd_server(settings.model, "kv_producer", form=form, name="P", extra_config=p_extra, **kw, **settings.server_kwargs("P"))
+    d = pd_server(settings.model, "kv_consumer", form=form, name="D", extra_config=d_extra, **kw, **settings.server_kwargs("D"))
     return p, d
-
-
-def _pin(settings: ServerSettings, role: str) -> dict[str, Any]:
-    return {"cpus": cpus} if (cpus := settings.server_kwargs(role).get("cpus")) is not None else {}
 
 
 def _baseline_tree() -> str:

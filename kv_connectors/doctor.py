@@ -120,10 +120,15 @@ def transparent_huge_pages() -> str | None:
     return words[0] if words else text
 
 
+def _within_host(dev: dict[str, Any]) -> str:
+    """What UCX uses between two processes of this host."""
+    return "cma/shm (same host, host memory)" + (", cuda_ipc (same host, GPU memory)" if dev["gpus"] else "")
+
+
 def ucx(dev: dict[str, Any]) -> dict[str, Any]:
     """The UCX settings in the environment and what UCX will use for our transfers."""
     env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    within = "cma/shm (same host, host memory)" + (", cuda_ipc (same host, GPU memory)" if dev["gpus"] else "")
+    within = _within_host(dev)
     across = "rc/ud over " + ",".join(dev["rdma_devices"]) if dev["rdma_devices"] else "tcp (no RDMA device)"
     tls = env.get("UCX_TLS")
     if tls and not _rdma_allowed(tls) and dev["rdma_devices"]:
@@ -186,7 +191,7 @@ def peer_path(host: str, dev: dict[str, Any], env: dict[str, str]) -> dict[str, 
     out["interface"] = r.get("dev")
     tls, net_devices = env.get("UCX_TLS", ""), env.get("UCX_NET_DEVICES", "")
     if r.get("type") == "local":
-        out["transport"] = "cma/shm (same host, host memory)" + (", cuda_ipc (GPU memory)" if dev["gpus"] else "")
+        out["transport"] = _within_host(dev)
         return out
     rdma = _rdma_of(str(out["interface"]))
     out["rdma_devices"] = rdma
