@@ -184,6 +184,19 @@ CONFIGS: dict[str, PdConfig] = {
             proxy_args=("--no-first-token-from-prefill",),
         ),
         PdConfig(
+            "ours-nixl-pull-cpus-builtin",
+            "our NixlConnector, pull, engine_cpus builtin: P's and D's engine threads pinned as the built-in pins its own on CPU",
+            lambda s: _ours(MODULE_FORM, {"engine_cpus": "builtin"}, {"mode": "pull", "engine_cpus": "builtin"}, s),
+            "connector",
+        ),
+        PdConfig(
+            "ours-nixl-pull-unseeded-cpus-builtin",
+            "our NixlConnector, pull, engine_cpus builtin, the proxy without first token from prefill",
+            lambda s: _ours(MODULE_FORM, {"engine_cpus": "builtin"}, {"mode": "pull", "engine_cpus": "builtin"}, s),
+            "connector",
+            proxy_args=("--no-first-token-from-prefill",),
+        ),
+        PdConfig(
             "ours-nixl-pull-spinning",
             "our NixlConnector, pull, with idle_wait_ms 0: vLLM's empty steps back to back, as without our pacing",
             lambda s: _ours(MODULE_FORM, {"idle_wait_ms": 0}, {"mode": "pull", "idle_wait_ms": 0}, s),

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kv_connectors import affinity
 from kv_connectors.config import TRANSPORT_DEFAULTS, ConnectorConfig, check_parallelism, parse_config
 from kv_connectors.errors import ConfigError
 from kv_connectors.transports import require_transport
@@ -94,6 +96,10 @@ def host_problems(kind: str, cfg: ConnectorConfig, ranks: int = 1) -> list[str]:
             problems.append("mooncake_protocol 'rdma' needs an RDMA device and this host has none: use 'tcp'")
         elif cfg.mooncake_device_name and not set(cfg.mooncake_device_name.split(",")) <= set(devices):
             problems.append(f"mooncake_device_name {cfg.mooncake_device_name!r} is not among this host's {devices}")
+    try:
+        affinity.resolve(cfg.engine_cpus, "cpu", os.sched_getaffinity(0), affinity.numa_nodes())
+    except ConfigError as e:
+        problems.append(str(e))
     return problems
 
 

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kv_connectors.affinity import check_engine_cpus
 from kv_connectors.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -74,13 +75,17 @@ class ConnectorConfig:
     mooncake_protocol: str = "tcp"
     mooncake_device_name: str = ""
     staging: Staging = Staging.AUTO
-    staging_pool_kib: int = 64 * 1024
+    staging_pool_kib: int = 64 * 1024  # DEFAULT_POOL_KIB
     staging_chunk_kib: int = 4096  # parse_config: min(4096, staging_pool_kib // 8) unless set
     # P, transfer-id flow: write each layer's blocks to a waiting D as soon as the layer is computed.
     layerwise: bool = True
     # The longest wait after a vLLM step that scheduled no token and finished no transfer, before the
     # next (kv_connectors.idle); 0: vLLM steps back to back, spinning a core.
     idle_wait_ms: float = 2.0
+    # Pin vLLM's engine thread (and the threads it starts later) at connector creation: "" leaves it,
+    # "builtin" does what vLLM's built-in NixlConnector does on CPU platforms (the last core of each
+    # NUMA node), or a CPU list ("0-3,8"). kv_connectors.affinity says why.
+    engine_cpus: str = ""
 
     @property
     def bind_host(self) -> str:
@@ -94,6 +99,7 @@ class ConnectorConfig:
 # Keys users may set in kv_connector_extra_config, with their checker.
 _NIXL_BACKENDS = ("UCX",)
 MAX_IDLE_WAIT_MS = 100.0  # a new request may wait this long for an idle step to end
+DEFAULT_POOL_KIB = 64 * 1024  # staging pool when not set
 DEFAULT_CHUNK_KIB = 4096  # staging chunk when not set: this, or pool / 8 for pools under 32 MiB
 
 
@@ -182,6 +188,7 @@ _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
     "staging_chunk_kib": _positive_int,
     "layerwise": _bool,
     "idle_wait_ms": _idle_wait_ms,
+    "engine_cpus": check_engine_cpus,
 }
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))
@@ -285,7 +292,7 @@ def parse_config(
             f"unknown kv_connector_extra_config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(VALID_KEYS)}"
         )
     values: dict[str, Any] = {key: _CHECKERS[key](key, value) for key, value in extra.items()}
-    pool = values.get("staging_pool_kib", 64 * 1024)
+    pool = values.get("staging_pool_kib", DEFAULT_POOL_KIB)
     if "staging_chunk_kib" not in values:  # 4 MiB chunks (1.1-1.5x faster than 1 MiB, CPU and H200), 8+ slots
         values["staging_chunk_kib"] = max(1, min(DEFAULT_CHUNK_KIB, pool // 8))
     chunk = values["staging_chunk_kib"]

@@ -311,6 +311,18 @@ def check_heads(kv: Sequence[Any], src_ids: Any, dst_ids: Any, src: Shape, dst: 
 
 
 # Transports ----------------------------------------------------------------------------------
+class SkipCopier:
+    """A staging copier that copies nothing (benchmarks only: bytes are NOT moved between the KV cache
+    and the pool). It times the staging pipeline alone (messages, slots, the pool-to-pool move) as if
+    the gather and scatter took no CPU, which is what a GPU's copy engine approaches."""
+
+    def copy(self, pairs: Any) -> None:
+        """Nothing is copied."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PeerSpec:
     """One transport over one KV cache.
@@ -338,6 +350,7 @@ class PeerSpec:
     digest_notifs: bool = True  # take storage_digest() at each notification (tests; too slow for benchmarks)
     host: str = "127.0.0.1"  # this peer's address (Mooncake's hostname)
     netns: str = ""  # a network namespace (kvc_testing.netns) the peer process enters first
+    copies: str = "real"  # staging: "skip" = a SkipCopier (the pipeline timed without its copies)
 
     @property
     def idle_s(self) -> float:
@@ -374,7 +387,8 @@ def open_transport(spec: PeerSpec, **kwargs: Any) -> Transport:
     from kv_connectors.transports.staging import StagedTransport
 
     try:
-        return StagedTransport(inner, pool_bytes=spec.pool, chunk_bytes=spec.chunk, probe_interval_s=spec.probe_s)
+        copier = SkipCopier() if spec.copies == "skip" else None
+        return StagedTransport(inner, pool_bytes=spec.pool, chunk_bytes=spec.chunk, probe_interval_s=spec.probe_s, copier=copier)
     except BaseException:
         inner.close()
         raise

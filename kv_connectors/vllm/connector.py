@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kv_connectors import config
+from kv_connectors import affinity, config
 from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
 from kv_connectors.layout import (
@@ -114,6 +114,9 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if role == compat.KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.side_channel_port_for_rank(0), tp_size=tp_size)
         else:
+            # On the thread vLLM creates us on (the engine's), before it starts its output threads.
+            device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+            affinity.apply(self._cfg.engine_cpus, str(device or ""))
             self._worker = WorkerSide(self._cfg, rank, self.make_transport, self.transport_name, tp_size=tp_size)
         logger.info(
             "%s (%s) role=%s engine=%s rank %d of %d side channel %s:%d",

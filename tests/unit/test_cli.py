@@ -29,6 +29,7 @@ BAD_EXTRA = [
     {"nixl_backend": "LIBFABRIC"},
     {"mooncake_protocol": "ib"},
     {"idle_wait_ms": 500},
+    {"engine_cpus": "all"},
 ]
 
 
