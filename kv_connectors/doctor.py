@@ -2,7 +2,8 @@
 
 Reports the versions (and wheel variants) of vLLM, torch, NIXL and Mooncake with the known bad
 combinations named; the devices (GPUs, RDMA devices, GPUDirect RDMA, NICs); the UCX settings in the
-environment and what UCX will use; transparent huge pages; then a short two-process probe per
+environment and what UCX uses between two processes here (asked of UCX: UCX_PROTO_INFO tables of a
+short NIXL READ and WRITE in a child process) and across hosts (deduced); transparent huge pages; then a short two-process probe per
 installed transport (READ and WRITE of scattered 16 KiB blocks, direct and through CPU staging) and
 a recommendation: transport, mode, staging, the environment to set, and loud warnings. With
 `--config '<kv-transfer-config JSON>'` it also checks that configuration here (as `check-config
@@ -20,9 +21,12 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -134,6 +138,82 @@ def ucx(dev: dict[str, Any]) -> dict[str, Any]:
     if tls and not _rdma_allowed(tls) and dev["rdma_devices"]:
         across = f"tcp: UCX_TLS={tls} leaves the RDMA devices out"
     return {"env": env, "within_host": within, "across_hosts": across}
+
+
+# What UCX itself says it chose: UCX_PROTO_INFO tables from a short NIXL READ and WRITE between two
+# processes (a child doctor probe, its UCX log in a file of its own).
+_PROTO_OPS = {
+    "read": "remote memory read by ucp_get*",
+    "write": "remote memory write by ucp_put*",
+    "messages": "active message by ucp_am_send*",
+}
+_UCX_LANE = re.compile(r"([a-z][a-z0-9_]*)/([A-Za-z0-9_.:-]+)")
+_ASK_TIMEOUT_S = 90.0
+
+
+def parse_proto_info(text: str) -> dict[str, list[str]]:
+    """UCX_PROTO_INFO tables -> {"read"/"write"/"messages": the transport/device lanes UCX chose for
+    that operation from host memory, in the order first seen}."""
+    out: dict[str, list[str]] = {op: [] for op in _PROTO_OPS}
+    current: str | None = None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]  # the table's cells, the log prefix dropped
+        if len(cells) == 1:  # a table header line: the context and cfg, or the operation
+            head = cells[0]
+            if " by ucp_" in head:
+                current = next((op for op, name in _PROTO_OPS.items() if head.startswith(name) and "host memory" in head), None)
+            continue
+        if current is None or len(cells) != 3 or cells[0] == "Range":
+            continue
+        for transport, device in _UCX_LANE.findall(cells[2]):
+            lane = f"{transport}/{device}"
+            if lane not in out[current]:
+                out[current].append(lane)
+    return out
+
+
+_WITHIN_HOST_TLS = ("cma", "sysv", "posix", "xpmem", "knem", "self", "cuda_ipc", "cuda_copy", "rocm_ipc", "memory")
+
+
+def _network_only(selected: dict[str, Any]) -> list[str]:
+    """The lanes of a READ or WRITE UCX chose that go through the network when none stays in memory
+    (e.g. ["tcp/lo"]); [] when UCX was not asked or found a within-host transport."""
+    if "error" in selected or not selected:
+        return []
+    lanes = [lane for op in ("read", "write") for lane in selected.get(op, [])]
+    if any(lane.split("/")[0] in _WITHIN_HOST_TLS for lane in lanes):
+        return []
+    return list(dict.fromkeys(lanes))
+
+
+def ucx_selection() -> dict[str, Any]:
+    """Ask UCX which transports it uses between two processes of this host: a child process runs a
+    short NIXL probe (READ and WRITE) with UCX_PROTO_INFO=y and its UCX log in a file; the protocol
+    tables both processes logged are parsed. {"read": [...], "write": [...], "messages": [...]}, or
+    {"error": why}."""
+    try:
+        require_transport("nixl")
+    except KVConnectorError as e:
+        return {"error": str(e)}
+    code = "import json; from kv_connectors.doctor import probe; print(json.dumps(probe('nixl', False, 1 << 20, 0.0)))"
+    with tempfile.TemporaryDirectory(prefix="kvc-doctor-ucx-") as tmp, ucx_on_loopback():
+        env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_FILE": os.path.join(tmp, "ucx.%p.log")}
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=_ASK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the UCX probe did not finish within {_ASK_TIMEOUT_S:g} s"}
+        result = (proc.stdout.strip().splitlines() or ["{}"])[-1]
+        try:
+            answer = json.loads(result)
+        except ValueError:
+            answer = {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+        if proc.returncode != 0 or "error" in answer:
+            return {"error": f"the UCX probe failed: {answer.get('error', proc.returncode)}"}
+        logs = "".join(Path(f).read_text(errors="replace") for f in sorted(Path(tmp).glob("ucx.*")))
+    chosen = parse_proto_info(logs)
+    if not chosen["read"] and not chosen["write"]:
+        return {"error": "UCX printed no protocol tables (UCX_PROTO_INFO needs UCX 1.14 or later)"}
+    return chosen
 
 
 _RDMA_TLS = ("rc", "ud", "dc", "ib")
@@ -343,7 +423,7 @@ def recommend(report: dict[str, Any]) -> dict[str, Any]:
     if not dev["rdma_devices"]:
         warnings.append(
             "no RDMA device: transfers between hosts go over TCP (UCX tcp, Mooncake tcp); within a host "
-            "UCX uses cma/shm. Expect TCP throughput across hosts"
+            f"UCX uses {report['ucx']['within_host']}. Expect TCP throughput across hosts"
         )
     if len(dev["nics"]) > 1 and "UCX_NET_DEVICES" not in report["ucx"]["env"]:
         warnings.append(
@@ -351,6 +431,14 @@ def recommend(report: dict[str, Any]) -> dict[str, Any]:
             "or unroutable one, or hang until a timeout; set it to the interface P and D share"
         )
         env["UCX_NET_DEVICES"] = dev["rdma_devices"][0] + ":1" if dev["rdma_devices"] else dev["nics"][0]
+    slow = _network_only(report["ucx"].get("selected", {}))
+    if slow:
+        warnings.append(
+            f"UCX moves data between two processes of this host over the network ({', '.join(slow)}), not "
+            "cma/shm: UCX_TLS leaves them out, or the container forbids cross-process memory access "
+            "(cma needs ptrace rights: kernel.yama.ptrace_scope, CAP_SYS_PTRACE); a P and D on one host "
+            "then move KV at TCP speed"
+        )
     if report["thp"] == "never":
         warnings.append("transparent huge pages are off: registering large KV caches is slower")
     if "error" not in staged and staged and staged["read_gbps"] < 0.5 * direct[best]["read_gbps"]:
@@ -393,6 +481,11 @@ def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequ
         "probe": {},
     }
     if probe_paths:
+        report["ucx"]["selected"] = selected = ucx_selection()
+        if "error" not in selected:
+            report["ucx"]["within_host"] = (
+                f"READ {','.join(selected['read'])}, WRITE {','.join(selected['write'])} (asked of UCX: UCX_PROTO_INFO)"
+            )
         for kind in ("nixl", "mooncake"):
             try:
                 require_transport(kind)
@@ -420,6 +513,14 @@ def render(report: dict[str, Any]) -> str:
     )
     u = report["ucx"]
     lines.append(f"UCX: within a host {u['within_host']}; across hosts {u['across_hosts']}; env {u['env'] or 'none'}")
+    sel = u.get("selected")
+    if sel is not None:
+        lines.append(
+            f"UCX asked (UCX_PROTO_INFO, two processes here): FAILED: {sel['error']}"
+            if "error" in sel
+            else "UCX asked (UCX_PROTO_INFO, two processes here): "
+            + "; ".join(f"{op} {','.join(sel[op]) or 'none'}" for op in ("read", "write", "messages"))
+        )
     lines.append(f"transparent huge pages: {report['thp']}")
     for path, r in report["probe"].items():
         if "error" in r:

@@ -40,6 +40,24 @@ def test_doctor_reports_this_host_measures_every_path_and_recommends():
     assert tcp_warning == (not rdma)
     if not rdma:
         assert r["ucx"]["across_hosts"].startswith("tcp")
+    # What UCX itself chose between the probe's two processes (UCX_PROTO_INFO), not a deduction:
+    # cma on this host, the answer that "within a host" reports.
+    selected = r["ucx"]["selected"]
+    assert "error" not in selected, selected
+    assert "cma/memory" in selected["read"] and "cma/memory" in selected["write"], selected
+    assert r["ucx"]["within_host"].startswith("READ cma/memory") and "asked of UCX" in r["ucx"]["within_host"]
+    assert not any("over the network" in w for w in rec["warnings"])
+
+
+def test_doctor_asks_ucx_and_sees_tcp_when_ucx_tls_allows_only_tcp(monkeypatch):
+    """With UCX_TLS=tcp two processes of this host move data over TCP: UCX says so and the doctor
+    warns (the trap of a container without cma: P and D on one host at TCP speed)."""
+    from kv_connectors import doctor
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    selected = doctor.ucx_selection()
+    assert selected.get("read") and selected.get("write"), selected
+    assert all(lane.startswith("tcp/") for op in ("read", "write", "messages") for lane in selected[op]), selected
 
 
 def test_doctor_refuses_a_config_that_cannot_work_here():
