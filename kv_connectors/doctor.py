@@ -255,10 +255,11 @@ def _rdma_of(dev: str) -> list[str]:
     return sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
 
 
-def peer_path(host: str, dev: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+def peer_path(host: str, dev: dict[str, Any], env: dict[str, str], within_host: str | None = None) -> dict[str, Any]:
     """What UCX will use between this host and a peer at `host`: the interface the kernel routes
     through, the RDMA device behind it (if any), and whether UCX_TLS / UCX_NET_DEVICES let UCX
-    use them. Deduced from the routing table and sysfs (UCX is not asked); warnings for traps."""
+    use them. Deduced from the routing table and sysfs, except for a peer on this host when UCX was
+    asked (within_host: the report's answer); warnings for traps."""
     out: dict[str, Any] = {"peer": host, "warnings": []}
     try:
         address = str(socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0])
@@ -271,7 +272,7 @@ def peer_path(host: str, dev: dict[str, Any], env: dict[str, str]) -> dict[str, 
     out["interface"] = r.get("dev")
     tls, net_devices = env.get("UCX_TLS", ""), env.get("UCX_NET_DEVICES", "")
     if r.get("type") == "local":
-        out["transport"] = _within_host(dev)
+        out["transport"] = within_host or _within_host(dev)
         return out
     rdma = _rdma_of(str(out["interface"]))
     out["rdma_devices"] = rdma
@@ -496,7 +497,8 @@ def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequ
                 report["probe"][kind + ("+staged" if staged else "")] = probe(kind, staged)
     report["recommendation"] = recommend(report)
     if peers:
-        report["peers"] = [peer_path(host, dev, report["ucx"]["env"]) for host in peers]
+        within = report["ucx"]["within_host"] if "error" not in report["ucx"].get("selected", {"error": ""}) else None
+        report["peers"] = [peer_path(host, dev, report["ucx"]["env"], within) for host in peers]
         report["recommendation"]["warnings"] += [w for p in report["peers"] for w in p["warnings"]]
     if config is not None:
         report["config_problems"] = config_problems(config)

@@ -59,3 +59,11 @@ def test_a_host_whose_processes_talk_over_tcp_is_warned_about() -> None:
     assert any("between two processes of this host over the network (tcp/lo)" in w for w in warnings), warnings
     for fine in ({"read": ["cma/memory"], "write": ["cma/memory"], "messages": ["tcp/lo"]}, {"error": "no UCX"}, {}):
         assert not any("over the network" in w for w in doctor.recommend(_report(fine))["warnings"]), fine
+
+
+def test_a_peer_on_this_host_gets_the_answer_ucx_gave(monkeypatch) -> None:
+    monkeypatch.setattr(doctor, "route", lambda address: {"type": "local", "dev": "lo"})
+    dev = {"gpus": [], "rdma_devices": [], "gpudirect_rdma": False, "nics": ["eth0"]}
+    asked = "READ tcp/lo, WRITE tcp/lo (asked of UCX: UCX_PROTO_INFO)"
+    assert doctor.peer_path("127.0.0.1", dev, {}, asked)["transport"] == asked
+    assert doctor.peer_path("127.0.0.1", dev, {})["transport"].startswith("cma/shm")  # not asked: deduced
