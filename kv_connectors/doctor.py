@@ -497,8 +497,8 @@ def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequ
                 report["probe"][kind + ("+staged" if staged else "")] = probe(kind, staged)
     report["recommendation"] = recommend(report)
     if peers:
-        within = report["ucx"]["within_host"] if "error" not in report["ucx"].get("selected", {"error": ""}) else None
-        report["peers"] = [peer_path(host, dev, report["ucx"]["env"], within) for host in peers]
+        # within_host is UCX's own answer where it was asked, else the same deduction peer_path makes
+        report["peers"] = [peer_path(host, dev, report["ucx"]["env"], report["ucx"]["within_host"]) for host in peers]
         report["recommendation"]["warnings"] += [w for p in report["peers"] for w in p["warnings"]]
     if config is not None:
         report["config_problems"] = config_problems(config)
