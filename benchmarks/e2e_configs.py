@@ -177,6 +177,13 @@ CONFIGS: dict[str, PdConfig] = {
             "metrics",
         ),
         PdConfig(
+            "ours-nixl-pull-unseeded-baseline",
+            f"our NixlConnector, pull, from the checkout named by ${BASELINE_TREE_ENV}, the proxy without first token from prefill",
+            lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s, _baseline_tree()),
+            "metrics",
+            proxy_args=("--no-first-token-from-prefill",),
+        ),
+        PdConfig(
             "ours-nixl-pull-unseeded",
             "our NixlConnector, pull, the proxy without first token from prefill (D generates every token)",
             lambda s: _ours(MODULE_FORM, {}, {"mode": "pull"}, s),

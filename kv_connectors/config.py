@@ -86,6 +86,9 @@ class ConnectorConfig:
     # "builtin" does what vLLM's built-in NixlConnector does on CPU platforms (the last core of each
     # NUMA node), or a CPU list ("0-3,8"). kv_connectors.affinity says why.
     engine_cpus: str = ""
+    # Pull's fence: D reads P's lease words after its data read (kv_connectors.fence) and claims the
+    # lease over the side channel only when they do not prove it live; False: always claim.
+    lease_words: bool = True
 
     @property
     def bind_host(self) -> str:
@@ -189,6 +192,7 @@ _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
     "layerwise": _bool,
     "idle_wait_ms": _idle_wait_ms,
     "engine_cpus": check_engine_cpus,
+    "lease_words": _bool,
 }
 
 VALID_KEYS: tuple[str, ...] = tuple(sorted(_CHECKERS))

@@ -57,6 +57,10 @@ class Counters(msgspec.Struct, frozen=True):
     claims_refused: Annotated[
         int, _counter("Reads of this (prefill) instance's blocks refused: lease ended, or blocks not held.")
     ] = 0
+    reads_fenced_by_words: Annotated[
+        int,
+        _counter("KV loads this (decode) instance confirmed by reading the prefill's lease words (no claim round trip)."),
+    ] = 0
     stale_reads_refused: Annotated[
         int, _counter("KV loads this (decode) instance failed because the prefill side refused the claim.")
     ] = 0

@@ -11,6 +11,7 @@ from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, TransferMode
 from kv_connectors.counters import DURATIONS_CAP, Phase
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
+from kv_connectors.fence import WORD_BYTES, LeaseWords, lease_word, words_layout
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.state import ClaimBatch, ClaimResult, FailReason, RecvKind, RecvPhase, RecvTask, TaskKey
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, port)
 _CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its next step): ask again
 _FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly different rates
+_MAX_ADDRESS = 2**63  # planned addresses are int64
 
 
 @dataclasses.dataclass
@@ -32,6 +34,7 @@ class _Peer:
     layout: KVLayout | None = None
     error: str | None = None
     epoch: str = ""  # the producer process the cached handshake came from
+    words: KVLayout | None = None  # its lease words (kv_connectors.fence), where it has them and we read them
 
 
 @dataclasses.dataclass
@@ -62,8 +65,10 @@ class Receiver:
         client: sidechannel.Client,
         clock: Callable[[], float],
         local_metadata: bytes,  # the transport's, read once at registration
+        scratch: LeaseWords | None = None,  # where producers' lease words are read to (None: always claim)
     ) -> None:
         self._cfg = cfg
+        self._scratch = scratch
         self._local_metadata = local_metadata
         self._rank = rank
         self._tp_size = tp_size
@@ -81,6 +86,7 @@ class Receiver:
         self._group_failed: set[str] = set()  # requests read from several producer ranks: one read failed
         self.totals = RecvTotals()
         self.claims_refused = 0
+        self.fenced_by_words = 0
 
     def _submit(self, key: PeerKey, body: wire.Body) -> concurrent.futures.Future[wire.Body]:
         """One side-channel request to the producer at key (off this thread, with its own deadline)."""
@@ -116,16 +122,23 @@ class Receiver:
         self._resolve_peers()
         now = self._clock()
         for task in self._tasks.values():
-            try:
-                self._advance(task, now)
-            except Exception as e:  # boundary: a bug or a peer's bad bytes fail this request, never the step
-                logger.exception("request %s: unexpected error", task.request_id)
-                self._fail_transfer(task, FailReason.INTERNAL, KVConnectorError(f"internal error: {type(e).__name__}: {e}"))
+            self._advance_safely(task, now)
         self._send_claims()
         reads, self._reads = self._reads, []
         for task, peer, plan in reads:
             if task.phase is RecvPhase.TRANSFER:
                 self._post_read(task, peer, plan)
+                if task.words_pending and task.phase is RecvPhase.TRANSFER:
+                    # An engine that copied inside the post (NIXL over cma) is done: the words now.
+                    self._advance_safely(task, self._clock())
+        self._send_claims()  # the claims of reads whose words proved nothing
+
+    def _advance_safely(self, task: RecvTask, now: float) -> None:
+        try:
+            self._advance(task, now)
+        except Exception as e:  # boundary: a bug or a peer's bad bytes fail this request, never the step
+            logger.exception("request %s: unexpected error", task.request_id)
+            self._fail_transfer(task, FailReason.INTERNAL, KVConnectorError(f"internal error: {type(e).__name__}: {e}"))
 
     def _advance(self, task: RecvTask, now: float) -> None:
         if task.phase is RecvPhase.HANDSHAKE:
@@ -147,7 +160,7 @@ class Receiver:
         for task in self._tasks.values():
             if task.phase is not RecvPhase.TRANSFER:
                 continue
-            if task.xfer is not None or not task.fenced:
+            if task.xfer is not None or task.words_xfer is not None or not task.fenced:
                 return True
             if task.claim is None and task.fence_deadline is None:
                 return True
@@ -197,10 +210,22 @@ class Receiver:
                     )
                 self._transport.connect(reply.agent_name, reply.agent_metadata)
                 peer.agent_name, peer.layout, peer.epoch = reply.agent_name, reply.layout.to_layout(), reply.epoch
+                peer.words = self._peer_words(reply, peer.layout)
                 logger.info("connected to producer %s at %s:%d", key[0], key[1], key[2])
             except Exception as e:  # boundary: a failed handshake fails requests, never the step
                 peer.error = str(e)
                 logger.error("handshake with %s at %s:%d failed: %s", key[0], key[1], key[2], e)
+
+    def _peer_words(self, reply: wire.HandshakeReply, layout: KVLayout) -> KVLayout | None:
+        """The producer's lease words as a layout, if it has them, we read them, and the address
+        it gave can be planned (a peer's bytes: a bad one costs it the one-sided fence, nothing else)."""
+        base = reply.lease_words
+        if self._scratch is None or not base:
+            return None
+        if not 0 < base < _MAX_ADDRESS - layout.num_blocks * WORD_BYTES:
+            logger.warning("producer %s gave lease words at %#x: ignored, its reads are claimed", reply.engine_id, base)
+            return None
+        return words_layout(base, layout.num_blocks)
 
     def _advance_handshake(self, task: RecvTask, now: float) -> None:
         peer = self._peers[task.peer_key]
@@ -273,12 +298,28 @@ class Receiver:
         started = self._clock()
         task.phase = RecvPhase.TRANSFER
         task.fenced = True
+        task.epoch = peer.epoch  # the producer process read from: its leases alone can prove the read
         task.num_bytes, task.num_descriptors = plan.total_bytes, plan.num_runs
         task.started = started
         task.deadline = started + self._cfg.transfer_timeout_s
         task.claim_deadline = started + self._cfg.handshake_timeout_s
-        self._advance_read(task, started)  # queues the claim
+        if self._words_apply(task, peer, plan):
+            task.words_pending = True  # read once the data read is complete; claimed only if they prove nothing
+            task.claim_retry_at = float("inf")
+        else:
+            self._advance_read(task, started)  # queues the claim
         return plan
+
+    def _words_apply(self, task: RecvTask, peer: _Peer, plan: TransferPlan) -> bool:
+        """The producer's lease words can fence this read: both sides have them and the read pairs
+        P's blocks with ours one to one (the words land at our blocks' slots)."""
+        return (
+            peer.words is not None
+            and self._scratch is not None
+            and plan.num_runs > 0
+            and len(task.remote_block_ids) == len(task.local_block_ids)
+            and (peer.layout is not None and peer.layout.block_size == self._layout.block_size or not task.num_tokens)
+        )
 
     def _post_read(self, task: RecvTask, peer: _Peer, plan: TransferPlan) -> None:
         try:
@@ -303,13 +344,17 @@ class Receiver:
     def _send_claims(self) -> None:
         """One ClaimRequest per producer for every read waiting to claim."""
         for key, tasks in self._to_claim.items():
+            epoch = self._peers[key].epoch
+            for t in tasks:
+                if t.phase is RecvPhase.TRANSFER and t.epoch != epoch:  # a new process answers there now
+                    self._fail_transfer(t, FailReason.FENCE, KVConnectorError("the producer restarted during the read"))
             tasks = [t for t in tasks if t.phase is RecvPhase.TRANSFER]
             if not tasks:
                 continue
             request = wire.ClaimRequest(
                 self._cfg.engine_id,
                 [wire.ClaimItem(t.remote_request_id, list(t.remote_block_ids)) for t in tasks],
-                epoch=self._peers[key].epoch,
+                epoch=epoch,
                 consumer_rank=self._rank,
             )
             sent_at = self._clock()
@@ -319,13 +364,16 @@ class Receiver:
         self._to_claim.clear()
 
     def _advance_read(self, task: RecvTask, now: float) -> None:
-        """Pull: the read counts once it is complete and P granted the claim before it could lapse."""
+        """Pull: the read counts once it is complete and either P's lease words, read after it, are
+        the lease's, or P granted the claim before it could lapse."""
         if task.xfer is not None:
             done = self._poll(task)
             if done is None:
                 return
             if done:
                 task.read_done_at = now
+        if task.read_done_at is not None and task.fence_deadline is None:
+            self._advance_words(task, now)
         self._advance_claim(task, now)
         if task.phase is not RecvPhase.TRANSFER:
             return
@@ -343,6 +391,52 @@ class Receiver:
         limit = task.deadline if task.fence_deadline is None else min(task.deadline, task.fence_deadline)
         if now > limit:
             self._fail_transfer(task, FailReason.TIMEOUT, KVConnectorError(f"transfer timed out after {now - task.started:.1f} s"))
+
+    def _advance_words(self, task: RecvTask, now: float) -> None:
+        """After the data read: read P's lease words for its blocks, then compare them with the
+        lease's word. Equal: the lease was live when they were read, after every byte of the data
+        (kv_connectors.fence); otherwise (not added yet, ended, shared) claim the lease instead."""
+        peer = self._peers[task.peer_key]
+        if task.words_pending:
+            task.words_pending = False
+            if peer.words is None or self._scratch is None or peer.epoch != task.epoch:
+                self._claim_instead(task, now, "the producer was hand-shaken with again")
+                return
+            try:
+                plan = plan_blocks(peer.words, task.remote_block_ids, self._scratch.layout, task.local_block_ids)
+                self._scratch.reset(task.local_block_ids)
+                task.words_xfer = self._transport.post_read(peer.agent_name, plan, b"")
+                task.words_posted_at = now
+            except KVConnectorError as e:
+                self._claim_instead(task, now, f"could not read the lease words: {e}")
+                return
+        if task.words_xfer is None:
+            return
+        try:
+            state = self._transport.poll(task.words_xfer)
+        except KVConnectorError as e:
+            self._release_words(task)
+            self._claim_instead(task, now, f"reading the lease words failed: {e}")
+            return
+        if state is not XferState.DONE:
+            return  # the transfer deadline bounds it
+        self._release_words(task)
+        assert self._scratch is not None
+        if self._scratch.all_equal(lease_word(task.epoch, task.remote_request_id), task.local_block_ids):
+            task.fence_deadline = float("inf")  # proved: the bytes were read under the live lease
+            task.claim_s = now - task.words_posted_at
+            self.fenced_by_words += 1
+        else:
+            self._claim_instead(task, now, "the lease words do not prove the lease live")
+
+    def _release_words(self, task: RecvTask) -> None:
+        if task.words_xfer is not None:
+            self._transport.release(task.words_xfer)
+            task.words_xfer = None
+
+    def _claim_instead(self, task: RecvTask, now: float, why: str) -> None:
+        logger.debug("request %s: %s; claiming the lease", task.request_id, why)
+        task.claim_retry_at = now  # queued by _advance_claim, sent at the end of this progress call
 
     def _advance_claim(self, task: RecvTask, now: float) -> None:
         if task.fence_deadline is not None:
@@ -461,6 +555,7 @@ class Receiver:
         if task.xfer is not None:
             self._transport.release(task.xfer)
             task.xfer = None
+        self._release_words(task)
         task.claim = None
         peer = self._peers.get(task.peer_key)
         if isinstance(error, PeerDisconnectedError) and peer is not None:
@@ -510,5 +605,6 @@ class Receiver:
         for task in self._tasks.values():
             if task.xfer is not None:
                 self._transport.release(task.xfer)
+            self._release_words(task)
         self._tasks.clear()
         self._client.close()

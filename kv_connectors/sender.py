@@ -18,6 +18,7 @@ from typing import Any
 from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import KVConnectorError, TransferParamsError
+from kv_connectors.fence import LeaseWords
 from kv_connectors.layout import KVLayout, reader_count
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.state import ClaimResult, SendLeases
@@ -75,7 +76,9 @@ class Sender:
         epoch: str = "",
         rank: int = 0,
         tp_size: int = 1,
+        words: LeaseWords | None = None,
     ) -> None:
+        """words: this rank's lease words (kv_connectors.fence), registered with the transport."""
         self._cfg = cfg
         self._rank, self._tp_size, self._total_heads = rank, tp_size, compat.num_kv_heads
         self._readers: dict[str, int] = {}  # consumer engine -> how many of its ranks read from this rank
@@ -85,7 +88,7 @@ class Sender:
         self._layout = layout
         self._hash = compat.hash()
         self._layer_regions = {name: tuple(ids) for name, ids in (layer_regions or {}).items()}
-        self.leases = SendLeases()
+        self.leases = SendLeases(words=words, epoch=epoch)
         self._inbox: queue.SimpleQueue[wire.HandshakeRequest | wire.PushRequest] = queue.SimpleQueue()
         self._consumers: dict[str, KVLayout] = {}  # agent name -> layout
         # Push requests by (lease key, consumer agent): the D ranks reading one lease each ask.

@@ -9,6 +9,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kv_connectors.counters import DURATIONS_CAP
+from kv_connectors.fence import LeaseWords, lease_word
 
 if TYPE_CHECKING:
     from kv_connectors.wire import Body
@@ -56,10 +57,16 @@ class SendLeases:
     thread, hence the lock). A claimed lease is held for the consumer until its claim deadline or its
     notice; a lease that already ended is refused, and is remembered as gone (bounded), so that a
     late reader fails at once instead of reading blocks that other prompts reuse.
+
+    With `words` (kv_connectors.fence), a live lease's blocks carry its lease word, cleared as the
+    lease ends (before its request is reported finished): a consumer that reads the words after its
+    data read needs no claim.
     """
 
-    def __init__(self, gone_cap: int = _GONE_CAP) -> None:
+    def __init__(self, gone_cap: int = _GONE_CAP, words: LeaseWords | None = None, epoch: str = "") -> None:
         self._lock = threading.Lock()
+        self._words = words
+        self._epoch = epoch
         self._leases: dict[str, _Lease] = {}
         self._early: dict[str, float] = {}  # key -> time the notice arrived
         self._gone: dict[str, str] = {}  # key -> why it ended (insertion order: oldest first, capped)
@@ -82,7 +89,12 @@ class SendLeases:
                 self._finished_keys.add(key)
                 self.completed += 1
                 return
-            self._leases[key] = _Lease(request_id, tuple(block_ids), now + lease_s, created=now)
+            old = self._leases.get(key)
+            if old is not None:  # the same key again: the old lease's blocks lose its word first
+                self._unmark(key, old)
+            lease = self._leases[key] = _Lease(request_id, tuple(block_ids), now + lease_s, created=now)
+            if self._words is not None:
+                self._words.mark(lease_word(self._epoch, key), lease.block_ids)
 
     def block_ids(self, key: str) -> tuple[int, ...] | None:
         with self._lock:
@@ -149,7 +161,7 @@ class SendLeases:
                     return
                 del self._leases[key]
                 self._held(lease, now)
-                self._end(key, "released after the consumer read it")
+                self._end(key, "released after the consumer read it", lease)
                 self._finished.add(lease.request_id)
                 self._finished_keys.add(key)
                 self.completed += 1
@@ -165,8 +177,15 @@ class SendLeases:
             out, self.hold_seconds = self.hold_seconds, []
             return out
 
-    def _end(self, key: str, why: str) -> None:
+    def _end(self, key: str, why: str, lease: _Lease | None = None) -> None:
+        if lease is not None:
+            self._unmark(key, lease)
         _put_bounded(self._gone, key, why, self._gone_cap)
+
+    def _unmark(self, key: str, lease: _Lease) -> None:
+        """Clear the lease's words: from here on a consumer's words read proves nothing."""
+        if self._words is not None:
+            self._words.clear(lease_word(self._epoch, key), lease.block_ids)
 
     def take_finished(self, now: float) -> tuple[set[str], set[str]]:
         """(completed, expired) request ids since the last call; both are to be freed."""
@@ -177,7 +196,7 @@ class SendLeases:
                 lease = self._leases.pop(key)
                 self._held(lease, now)
                 expired.add(lease.request_id)
-                self._end(key, "its lease expired before the consumer claimed it")
+                self._end(key, "its lease expired before the consumer claimed it", lease)
             self.expired += len(expired)
             for key in [key for key, t in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
                 del self._early[key]
@@ -289,8 +308,13 @@ class RecvTask:
     claim: ClaimBatch | None = None  # the claim request in flight, None when none is
     claim_deadline: float = 0.0  # give up claiming (P never learnt of the lease) after this
     claim_retry_at: float = 0.0
-    fence_deadline: float | None = None  # set once granted
+    fence_deadline: float | None = None  # set once granted (inf: proved by P's lease words)
     read_done_at: float | None = None
+    # The one-sided fence (kv_connectors.fence): P's lease words, read once the data read is done.
+    words_pending: bool = False  # to be read (the claim waits: sent only if they prove nothing)
+    words_xfer: object | None = None  # the transport's handle of that read
+    words_posted_at: float = 0.0
+    epoch: str = ""  # the producer process the read was planned against (its handshake's epoch)
     # Phase timings (kv_connectors.counters.Phase): when the load started, how long the request
     # waited in D's queue before (from the scheduler), the claim's round trip once answered.
     created: float | None = None

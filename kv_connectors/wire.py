@@ -163,6 +163,9 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
     epoch: str = ""  # new for every start of the producer: a restarted peer is a new peer
     rank: int = 0  # the producer's tensor-parallel rank and size (D checks it reached its own rank)
     tp_size: int = 1
+    # Where the producer's lease words live in its registered memory (kv_connectors.fence): one
+    # 64-bit word per block from this address; 0: none (D claims every read).
+    lease_words: int = 0
 
 
 class StatsRequest(msgspec.Struct, frozen=True, tag="stats"):

@@ -19,6 +19,7 @@ from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, Staging
 from kv_connectors.counters import Phase
 from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError, TransportError
+from kv_connectors.fence import LeaseWords
 from kv_connectors.idle import IdlePacer
 from kv_connectors.layout import KVLayout, reader_count, source_ranks
 from kv_connectors.logutil import RateLimitedLog
@@ -116,6 +117,8 @@ class WorkerEngine:
         self._hash = ""  # the compatibility hash, once registered
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
         self._staging: StagedTransport | None = None
+        self._words: LeaseWords | None = None  # P: this rank's lease words (kv_connectors.fence)
+        self._scratch: LeaseWords | None = None  # D: where P's words are read to
         self._renewing: dict[str, list[str]] = {}  # request id -> its renewals (one per P rank read)
         # P's TP size where the params do not state it (transfer-id flow), asked of P's rank 0 (a
         # stats request any rank answers) and kept _P_TP_TTL_S: (host, base port) -> (size, when).
@@ -156,6 +159,12 @@ class WorkerEngine:
         compat = msgspec.structs.replace(compat, transport=kind_of_transfer)
         self._hash = server.compat_hash = compat.hash()
         self._layout, self._compat, self._transport = layout, compat, transport
+        try:
+            self._register_words(transport, layout, kind)
+        except BaseException:
+            transport.close()
+            server.close()
+            raise
         # Fixed once the memory is registered; read here so that the side-channel thread never calls
         # into the engine (NIXL agents are not thread-safe, and a long post on the engine thread
         # would stall every handshake behind the engine's lock).
@@ -170,6 +179,7 @@ class WorkerEngine:
             client=self._client,
             clock=self._clock,
             local_metadata=self._local_metadata,
+            scratch=self._scratch,
         )
         # Layer-wise push writes straight from the KV cache: not through a staging pool.
         layers = layer_regions if self._staging is None and self._cfg.layerwise else None
@@ -183,6 +193,7 @@ class WorkerEngine:
             epoch=self.epoch,
             rank=self._rank,
             tp_size=self._tp_size,
+            words=self._words,
         )
         self._renewer = Renewer(self._cfg.engine_id, self._hash, self._client, self._cfg.handshake_timeout_s, self._clock)
         self._server = server  # last: the handler answers only once everything above exists
@@ -194,6 +205,19 @@ class WorkerEngine:
             layout.cells or "whole blocks only",
             self._hash,
         )
+
+    def _register_words(self, transport: Transport, layout: KVLayout, kind: MemoryKind) -> None:
+        """Lease words (kv_connectors.fence) beside a host KV cache moved directly: P's, and D's
+        scratch they are read into. Not with a staging pool (it moves KV blocks only) or device
+        memory (the words live in host memory, which one transfer cannot mix with the KV's)."""
+        if not self._cfg.lease_words or self._staging is not None or kind is not MemoryKind.HOST:
+            return
+        words = LeaseWords(layout.num_blocks) if self._cfg.role.produces else None
+        scratch = LeaseWords(layout.num_blocks) if self._cfg.role.consumes else None
+        for w in (words, scratch):
+            if w is not None:
+                transport.register(w.layout, MemoryKind.HOST)
+        self._words, self._scratch = words, scratch
 
     def _registered_transport(self, layout: KVLayout, kind: MemoryKind, device_id: int) -> Transport:
         """The transport with the KV cache registered: directly, or through a staging pool when
@@ -271,6 +295,7 @@ class WorkerEngine:
             epoch=self.epoch,
             rank=self._rank,
             tp_size=self._tp_size,
+            lease_words=0 if self._words is None else self._words.base,
         )
 
     def _tp_refusal(self, body: wire.HandshakeRequest) -> str:
@@ -586,6 +611,7 @@ class WorkerEngine:
             claims_granted=leases.claims_granted,
             claims_refused=leases.claims_refused,
             stale_reads_refused=self._receiver.claims_refused,
+            reads_fenced_by_words=self._receiver.fenced_by_words,
             lease_renewals=self._renewer.renewals if self._renewer is not None else 0,
             idle_steps=self._idle_steps,
             **self._staging_stats(),

@@ -144,7 +144,7 @@ class MemoryTransport:
     def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
         if kind is not MemoryKind.HOST:
             raise TransportError("the memory transport registers host memory only")
-        self._ranges = Ranges((r.base, r.base + r.span) for r in layout.regions)
+        self._ranges.add((r.base, r.base + r.span) for r in layout.regions)
 
     def local_metadata(self) -> bytes:
         return self.name.encode()

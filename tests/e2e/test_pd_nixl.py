@@ -86,6 +86,16 @@ def test_phase_histograms_move_and_add_up(prefill_server, decode_server, proxy):
     assert all(v >= 0 for v in total.values()) and total["transfer"] > 0
 
 
+def test_reads_are_proved_by_lease_words_without_a_claim(reference, prefill_server, decode_server, proxy):
+    """Real NIXL (cma here): D reads P's lease words after each read; they prove the lease live, so
+    P answers no claim, and the answers are still exact."""
+    words0, granted0 = stats(decode_server).reads_fenced_by_words, stats(prefill_server).claims_granted
+    prompts = make_prompts([64, 300], seed=12)  # not seen before: D loads each one
+    assert_pd_matches_colocated(reference, prefill_server, decode_server, proxy, prompts)
+    wait_until(lambda: stats(decode_server).reads_fenced_by_words - words0 >= len(prompts), 10, "D's reads fenced by words")
+    assert stats(prefill_server).claims_granted == granted0, "P answered claims although the words proved the reads"
+
+
 def test_dashboard_metrics_are_exported(prefill_server, decode_server, proxy):
     """Every sample the example Grafana dashboard queries is on P's, D's or the proxy's /metrics."""
     from kvc_testing import dashboard

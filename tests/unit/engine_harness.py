@@ -22,6 +22,8 @@ BLOCK_SIZE = 4
 BLOCK_WORDS = 64  # float32 words per block per region
 CELL_WORDS = 8  # with heads: float32 words of one token of one head
 P_PORT, D_PORT, D2_PORT = 7001, 7011, 7021  # apart: a TP rank r listens on port + r
+# D claims every read (no lease words): the tests of the claim path itself.
+CLAIM_ONLY = {"lease_words": False}
 
 
 class FakeClock:

@@ -36,6 +36,7 @@ NAMES = (
     "staging_allocated_bytes",
     "claims_granted",
     "claims_refused",
+    "reads_fenced_by_words",
     "stale_reads_refused",
     "lease_renewals",
     "idle_steps",

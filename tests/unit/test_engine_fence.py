@@ -8,7 +8,7 @@ import numpy as np
 
 from kv_connectors import wire
 from kv_connectors.state import ClaimResult, SendLeases
-from tests.unit.engine_harness import P_PORT, Cluster
+from tests.unit.engine_harness import CLAIM_ONLY, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
@@ -20,7 +20,7 @@ def _loaded(c: Cluster, node=None) -> bool:
 
 
 def test_read_under_a_live_lease_completes_and_frees_p():
-    c = Cluster()
+    c = Cluster(d_extra=CLAIM_ONLY)
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run()
@@ -74,7 +74,7 @@ def test_claim_naming_blocks_the_lease_does_not_hold_is_refused():
 
 
 def test_read_slower_than_the_claim_hold_fails():
-    c = Cluster(d_delay_s=30.0)  # the read takes longer than P's hold (its 10 s transfer timeout)
+    c = Cluster(d_extra=CLAIM_ONLY, d_delay_s=30.0)  # the read takes longer than P's hold (its 10 s transfer timeout)
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(2)
@@ -85,7 +85,7 @@ def test_read_slower_than_the_claim_hold_fails():
 
 
 def test_lost_claim_answer_fails_at_the_transfer_deadline_and_p_frees():
-    c = Cluster()
+    c = Cluster(d_extra=CLAIM_ONLY)
     c.prefill_done("r0", (8,))
     Cluster.recv(c.d, "d0", "r0", (9,), (8,))  # hand-shakes (cached) and loads one block
     c.run()
@@ -226,7 +226,7 @@ def test_push_under_a_live_lease_writes_d_blocks():
 def test_the_claim_leaves_before_the_read_is_posted():
     """Engines may copy inside the post call (NIXL over cma): the claim goes first, so that its round
     trip overlaps the copy instead of following it."""
-    c = Cluster()
+    c = Cluster(d_extra=CLAIM_ONLY)
     c.prefill_done("r1", P_BLOCKS)
     claims_at_post: list[int] = []
     post_read = c.d.transport.post_read

@@ -9,7 +9,7 @@ from kv_connectors import wire
 from kv_connectors.idle import MIN_WAIT_S, IdlePacer
 from kv_connectors.specs import StepMetadata
 from kv_connectors.worker import POLL_WAIT_S, QUIET_POLL_S
-from tests.unit.engine_harness import Cluster
+from tests.unit.engine_harness import CLAIM_ONLY, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
@@ -117,7 +117,7 @@ def test_a_transfer_in_flight_bounds_the_wait_to_the_poll_interval():
 
 
 def test_a_claim_answer_arriving_during_the_wait_is_reported_in_the_same_step():
-    c = Cluster()
+    c = Cluster(d_extra=CLAIM_ONLY)
     c.prefill_done("r1", P_BLOCKS)
     c.d.client.hold_types = (wire.ClaimRequest,)  # P answers at once, the answer is on its way back
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
@@ -132,7 +132,7 @@ def test_a_claim_answer_arriving_during_the_wait_is_reported_in_the_same_step():
 
 
 def test_d_waits_for_the_claim_answer_up_to_the_cap_once_its_read_is_done():
-    c = Cluster()
+    c = Cluster(d_extra=CLAIM_ONLY)
     c.prefill_done("r1", P_BLOCKS)
     c.d.client.hold_types = (wire.ClaimRequest,)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)

@@ -8,7 +8,7 @@ import numpy as np
 
 from kv_connectors import wire
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
-from tests.unit.engine_harness import P_PORT, Cluster
+from tests.unit.engine_harness import CLAIM_ONLY, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
@@ -168,7 +168,7 @@ def test_dead_producer_fails_the_read_and_the_next_request_hand_shakes_again():
 
 
 def test_restarted_producer_refuses_claims_made_with_the_old_handshake():
-    c = Cluster()
+    c = Cluster(d_extra=CLAIM_ONLY)
     c.prefill_done("r0", (8,))
     Cluster.recv(c.d, "d0", "r0", (9,), (8,))
     c.run()

@@ -19,7 +19,7 @@ from kv_connectors.state import RecvKind, SendLeases
 from kv_connectors.transports.base import MemoryKind
 from kv_connectors.transports.memory import MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.worker import WorkerEngine
-from tests.unit.engine_harness import BLOCK_SIZE, BLOCK_WORDS, NUM_BLOCKS, P_PORT, Cluster, compat_for
+from tests.unit.engine_harness import BLOCK_SIZE, BLOCK_WORDS, CLAIM_ONLY, NUM_BLOCKS, P_PORT, Cluster, compat_for
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
@@ -338,7 +338,7 @@ def test_layerwise_lease_added_in_the_same_step_is_held_during_the_write():
 
 # the read (pull) and its claim ---------------------------------------------------------------------
 def test_producer_dying_mid_read_fails_the_load_and_the_next_one_hand_shakes_again():
-    c = Cluster(d_delay_s=0.5)
+    c = Cluster(d_extra=CLAIM_ONLY, d_delay_s=0.5)
     _hand_shake(c, dt=0.2)
     handshakes = _requests(c, wire.HandshakeRequest)
     c.prefill_done("r1", P_BLOCKS)
@@ -359,7 +359,7 @@ def test_producer_dying_mid_read_fails_the_load_and_the_next_one_hand_shakes_aga
 def test_read_completing_after_the_hold_ends_is_refused(caplog):
     """The read outlives 0.95 of P's hold before D sees it complete (a long stall between steps):
     the bytes are there, yet the load fails, since P may have reused the blocks meanwhile."""
-    c = Cluster(d_delay_s=9.0)
+    c = Cluster(d_extra=CLAIM_ONLY, d_delay_s=9.0)
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(1)  # the claim is granted: hold 10 s from its sending
@@ -375,7 +375,7 @@ def test_read_completing_after_the_hold_ends_is_refused(caplog):
 def test_claim_failing_on_the_side_channel_fails_the_read_and_tells_p():
     """The read completes, but P's side channel is gone when D claims: D fails the load and tells
     P over the transport, which frees the blocks at once (no lease expiry)."""
-    c = Cluster()
+    c = Cluster(d_extra=CLAIM_ONLY)
     _hand_shake(c)
     c.prefill_done("r1", P_BLOCKS)
     c.fabric.dead.add(P_SIDE_CHANNEL)
@@ -389,7 +389,7 @@ def test_claim_failing_on_the_side_channel_fails_the_read_and_tells_p():
 def test_unanswered_claim_with_p_unreachable_fails_at_the_deadline_and_the_lease_frees():
     """Neither the claim's answer nor D's failure notice can reach P: D fails at its deadline
     (without raising), and P's lease frees the blocks."""
-    c = Cluster()
+    c = Cluster(d_extra=CLAIM_ONLY)
     _hand_shake(c)
     c.prefill_done("r1", P_BLOCKS)
     c.fabric.frozen.add(P_SIDE_CHANNEL)
@@ -554,7 +554,7 @@ def test_an_unregistered_engine_steps_and_reports_nothing():
 
 
 def test_load_durations_are_reported_once_each():
-    c = Cluster(d_delay_s=0.5)
+    c = Cluster(d_extra=CLAIM_ONLY, d_delay_s=0.5)
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(3, dt=0.3)
