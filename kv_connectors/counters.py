@@ -107,8 +107,8 @@ class Phase(enum.Enum):
     queue (arrival at D until the load starts), handshake (load start until the read or push
     request is posted, ~0 with a known peer), then transfer (post until the load counts; the
     existing `kvc:transfer_seconds`), within which read (post until the bytes landed; push: until
-    P's notice) and claim (the fence's round trip, pull); total = handshake + transfer. P: lease
-    hold (blocks held for a D, from the end of the prefill until freed or expired)."""
+    P's notice) and claim (the fence, pull: the lease words' read, or the claim's round trip);
+    total = handshake + transfer. P: lease hold (blocks held for a D, from the end of the prefill until freed or expired)."""
 
     QUEUE = "load_queue"
     HANDSHAKE = "load_handshake"
@@ -121,7 +121,7 @@ class Phase(enum.Enum):
 PHASE_HELP: dict[Phase, str] = {
     Phase.QUEUE: "Decode: time a request waited in the decode instance's queue before its KV load started.",
     Phase.HANDSHAKE: "Decode: from the KV load's start until its read (or push request) was posted (the handshake).",
-    Phase.CLAIM: "Decode, pull: round trip of the lease claim on the prefill instance (overlaps the read).",
+    Phase.CLAIM: "Decode, pull: the fence (the lease words' read after the data, or the lease claim's round trip).",
     Phase.READ: "Decode: from post until the KV bytes landed (push: until the prefill instance's notice).",
     Phase.TOTAL: "Decode: from the KV load's start until it counted (handshake + transfer).",
     Phase.LEASE_HOLD: "Prefill: how long KV blocks were held for a decode instance (until freed or expired).",
