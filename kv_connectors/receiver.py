@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, port)
 _CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its next step): ask again
 _FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly different rates
-_MAX_ADDRESS = 2**63  # planned addresses are int64
 
 
 @dataclasses.dataclass
@@ -222,7 +221,7 @@ class Receiver:
         base = reply.lease_words
         if self._scratch is None or not base:
             return None
-        if not 0 < base < _MAX_ADDRESS - layout.num_blocks * WORD_BYTES:
+        if not 0 < base < wire.MAX_ADDRESS - layout.num_blocks * WORD_BYTES:
             logger.warning("producer %s gave lease words at %#x: ignored, its reads are claimed", reply.engine_id, base)
             return None
         return words_layout(base, layout.num_blocks)
@@ -303,23 +302,13 @@ class Receiver:
         task.started = started
         task.deadline = started + self._cfg.transfer_timeout_s
         task.claim_deadline = started + self._cfg.handshake_timeout_s
-        if self._words_apply(task, peer, plan):
+        if peer.words is not None and plan.num_runs > 0 and self._pairs_blocks(task, peer.layout):
+            # The words land at our blocks' slots: P's blocks must pair with ours one to one.
             task.words_pending = True  # read once the data read is complete; claimed only if they prove nothing
             task.claim_retry_at = float("inf")
         else:
             self._advance_read(task, started)  # queues the claim
         return plan
-
-    def _words_apply(self, task: RecvTask, peer: _Peer, plan: TransferPlan) -> bool:
-        """The producer's lease words can fence this read: both sides have them and the read pairs
-        P's blocks with ours one to one (the words land at our blocks' slots)."""
-        return (
-            peer.words is not None
-            and self._scratch is not None
-            and plan.num_runs > 0
-            and len(task.remote_block_ids) == len(task.local_block_ids)
-            and (peer.layout is not None and peer.layout.block_size == self._layout.block_size or not task.num_tokens)
-        )
 
     def _post_read(self, task: RecvTask, peer: _Peer, plan: TransferPlan) -> None:
         try:
@@ -327,10 +316,14 @@ class Receiver:
         except KVConnectorError as e:
             self._fail_transfer(task, FailReason.TRANSFER, e)
 
+    def _pairs_blocks(self, task: RecvTask, remote: KVLayout) -> bool:
+        """P's blocks pair with ours one to one (plan_blocks, which refuses lists of unequal length)."""
+        return remote.block_size == self._layout.block_size or not task.num_tokens
+
     def _plan_read(self, task: RecvTask, remote: KVLayout) -> TransferPlan:
         """Blocks paired one to one where both sides' blocks hold as many tokens; else the task's
         tokens, mapped through both block tables."""
-        if remote.block_size == self._layout.block_size or not task.num_tokens:
+        if self._pairs_blocks(task, remote):
             return plan_blocks(remote, task.remote_block_ids, self._layout, task.local_block_ids)
         return plan_cells(
             remote,

@@ -16,7 +16,7 @@ from kv_connectors.layout import Cells, KVLayout, Part, Region
 # 3 = Mooncake transport metadata carries the registered ranges, the error code set is closed.
 # A peer of another version is refused at the handshake with "upgrade both sides".
 WIRE_VERSION = 3
-_MAX_ADDRESS = 2**63  # planned addresses are int64
+MAX_ADDRESS = 2**63  # planned addresses are int64
 _MAX_HEADS = 2**16  # KV heads a peer may claim to hold (head indices are planned as int64)
 
 
@@ -133,7 +133,7 @@ class LayoutMsg(msgspec.Struct, frozen=True):
                 r.base < 0
                 or r.seg_len < 1
                 or r.block_stride < r.seg_len
-                or (r.base + (self.num_blocks - 1) * r.block_stride + r.seg_len >= _MAX_ADDRESS)
+                or (r.base + (self.num_blocks - 1) * r.block_stride + r.seg_len >= MAX_ADDRESS)
             ):
                 raise HandshakeError(
                     f"peer advertised an invalid KV region (base {r.base}, stride "
