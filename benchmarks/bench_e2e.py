@@ -20,7 +20,6 @@ from typing import Any
 
 from benchmarks.e2e_client import RequestFailed, run_load
 from benchmarks.e2e_configs import (
-    BUILTIN,
     COLOCATED,
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -33,6 +32,7 @@ from benchmarks.e2e_configs import (
 from benchmarks.e2e_stats import (
     Sample,
     add_ratios,
+    builtin_baseline,
     by_length_table,
     figures_table,
     kv_figures,
@@ -503,8 +503,10 @@ def run(args: argparse.Namespace, host: str) -> dict[str, dict[str, Any]]:
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     print("\nTTFT and end-to-end latency in ms (streamed through the proxy; colocated: direct)")
     print(figures_table(results))
-    if BUILTIN in results or COLOCATED in results:
-        print("\nratios: /bi = over builtin-nixl, /co = over colocated (TTFT, e2e: lower is better)")
+    builtin = builtin_baseline(results)
+    if builtin is not None or COLOCATED in results:
+        over = builtin or "builtin-nixl (not in this run)"
+        print(f"\nratios: /bi = over {over}, /co = over colocated (TTFT, e2e: lower is better)")
         print(ratios_table(results))
     print("\nmean TTFT (ms) by prompt length")
     print(by_length_table(results))

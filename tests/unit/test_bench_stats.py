@@ -26,6 +26,7 @@ from benchmarks.e2e_stats import (
     RATIO_FIGURES,
     Sample,
     add_ratios,
+    builtin_baseline,
     figures_table,
     kv_figures,
     percentile,
@@ -125,6 +126,18 @@ def test_failed_or_absent_baseline_gives_no_ratios():
     del results["builtin-nixl"]
     add_ratios(results)
     assert all(v is None for v in results["ours-nixl-pull"]["vs_builtin"].values())
+
+
+def test_the_tuned_builtin_is_the_baseline_where_the_shipped_one_is_not_in_the_run():
+    results = {"ours-nixl-pull": _entry(40.0, 2.0), "builtin-nixl-patched": _entry(50.0, 1.0)}
+    assert builtin_baseline(results) == "builtin-nixl-patched"
+    add_ratios(results)
+    assert results["ours-nixl-pull"]["vs_builtin"]["ttft_mean_ms"] == 0.8
+    results["builtin-nixl"] = _entry(80.0, 1.0)  # as shipped, when present, stays the baseline
+    assert builtin_baseline(results) == "builtin-nixl"
+    add_ratios(results)
+    assert results["ours-nixl-pull"]["vs_builtin"]["ttft_mean_ms"] == 0.5
+    assert builtin_baseline({"ours-nixl-pull": {}}) is None
 
 
 def test_evaluate_fails_a_configuration_on_a_mismatch_or_an_error():
