@@ -1,8 +1,10 @@
 """`kv-connectors` (also `python -m kv_connectors`): operator commands that need no running server.
 
-`doctor [--config JSON] [--peer HOST ...] [--json]`: versions, devices, UCX, THP, a short probe per
-transport, the interface and UCX transport that reach each peer, and a recommendation
-(kv_connectors/doctor.py); exit 2 when the given configuration cannot work here or a peer is unreachable.
+`doctor [--config JSON] [--peer HOST[:PORT] ...] [--json]`: versions, devices, UCX, THP, a short probe per
+transport, the interface and UCX transport that reach each peer (asked of UCX through a `doctor --serve`
+on the peer where a port is given), and a recommendation (kv_connectors/doctor.py); exit 2 when the given
+configuration cannot work here or a peer is unreachable. `doctor --serve ADDRESS[:PORT]`: answer those
+probes on this host (kv_connectors/peerprobe.py).
 
 `check-config '<--kv-transfer-config JSON>'` validates a P or D configuration offline with the checks
 the connector runs at start-up (the same functions, so the same errors): which connector the JSON
@@ -147,6 +149,17 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from kv_connectors import doctor  # numpy and the engines: only for this command
 
+    if args.serve is not None:
+        from kv_connectors import peerprobe
+
+        try:
+            host, port = peerprobe.parse_peer(args.serve)
+        except ValueError as e:
+            print(f"error: --serve: {e}", file=sys.stderr)
+            return 2
+        peerprobe.serve(host, port or peerprobe.DEFAULT_PORT, args.serve_s)
+        return 0
+
     report = doctor.diagnose(probe_paths=not args.no_probe, config=args.config, peers=args.peer or ())
     print(json.dumps(report) if args.json else doctor.render(report))
     unreachable = any("error" in p for p in report.get("peers", []))
@@ -169,10 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument(
         "--peer",
         action="append",
-        metavar="HOST",
+        metavar="HOST[:PORT]",
         help="a P or D host this one exchanges KV with: the interface and UCX transport that reach it "
-        "(repeatable; exit 2 if unreachable)",
+        "(repeatable; exit 2 if unreachable). With the PORT of a `doctor --serve` there, UCX is asked: "
+        "a short READ and WRITE to it, the transport and device UCX chose, GB/s",
     )
+    doc.add_argument(
+        "--serve",
+        metavar="ADDRESS[:PORT]",
+        help="serve other hosts' `doctor --peer THIS_HOST:PORT` probes (a NIXL agent with a 32 MiB patterned "
+        "buffer, on the address the peer reaches this host at; port 5799 unless given) for --serve-s seconds",
+    )
+    doc.add_argument("--serve-s", type=float, default=600.0, help="--serve: how long to serve (seconds)")
     doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
     doc.set_defaults(run=_doctor)
     return parser

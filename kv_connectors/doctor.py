@@ -3,14 +3,17 @@
 Reports the versions (and wheel variants) of vLLM, torch, NIXL and Mooncake with the known bad
 combinations named; the devices (GPUs, RDMA devices, GPUDirect RDMA, NICs); the UCX settings in the
 environment and what UCX uses between two processes here (asked of UCX: UCX_PROTO_INFO tables of a
-short NIXL READ and WRITE in a child process) and across hosts (deduced); transparent huge pages; then a short two-process probe per
-installed transport (READ and WRITE of scattered 16 KiB blocks, direct and through CPU staging) and
+short NIXL READ and WRITE in a child process) and across hosts (deduced, or asked: below); transparent
+huge pages; then a short two-process probe per installed transport (READ and WRITE of scattered
+16 KiB blocks, direct and through CPU staging) and
 a recommendation: transport, mode, staging, the environment to set, and loud warnings. With
 `--config '<kv-transfer-config JSON>'` it also checks that configuration here (as `check-config
 --here`) and exits 2 when it cannot work on this host. With `--peer HOST` (P's host on D, D's on P)
 it says which interface reaches that host and what UCX will use there (cma/shm on this host, rc/ud
 where an RDMA device sits behind the interface and UCX_TLS allows it, else tcp), with a warning for
 TCP and for a UCX_NET_DEVICES that leaves that interface out; exit 2 when a peer is unreachable.
+With `--peer HOST:PORT`, where a `doctor --serve` listens (kv_connectors/peerprobe.py), UCX is asked
+instead: a short READ and WRITE to it with UCX_PROTO_INFO=y, the lanes UCX chose and the GB/s moved.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -38,9 +40,9 @@ import numpy as np
 from kv_connectors.config import ConnectorConfig, Role
 from kv_connectors.errors import KVConnectorError
 from kv_connectors.layout import KVLayout, Region
-from kv_connectors.plan import plan_transfer
+from kv_connectors.peerprobe import BLOCK_BYTES, parse_peer, pattern, timed_ops
 from kv_connectors.transports import create_transport, require_transport, ucx_on_loopback
-from kv_connectors.transports.base import Transport, XferState
+from kv_connectors.transports.base import Transport
 from kv_connectors.transports.memory import host_layout
 
 _DISTRIBUTIONS = (
@@ -55,11 +57,10 @@ _DISTRIBUTIONS = (
     "mooncake-transfer-engine-non-cuda",
 )
 _SYS = Path("/sys")
-_BLOCK_BYTES = 16 * 1024
+_BLOCK_BYTES = BLOCK_BYTES
 _PROBE_BYTES = 32 << 20
 _STAGING_POOL = 8 << 20
 _STAGING_CHUNK = 1 << 20
-_PROBE_DEADLINE_S = 20.0
 
 
 # Facts -----------------------------------------------------------------------------------------
@@ -186,17 +187,15 @@ def _network_only(selected: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(lanes))
 
 
-def ucx_selection() -> dict[str, Any]:
-    """Ask UCX which transports it uses between two processes of this host: a child process runs a
-    short NIXL probe (READ and WRITE) with UCX_PROTO_INFO=y and its UCX log in a file; the protocol
-    tables both processes logged are parsed. {"read": [...], "write": [...], "messages": [...]}, or
-    {"error": why}."""
+def _ask_ucx(code: str, loopback: bool) -> dict[str, Any]:
+    """Run `code` (a probe printing one JSON object) in a child with UCX_PROTO_INFO=y and its UCX log in
+    a file: the probe's answer plus the transport/device lanes UCX chose ({"read", "write", "messages"}),
+    or {"error": why}. loopback: UCX on lo (peers on this host)."""
     try:
         require_transport("nixl")
     except KVConnectorError as e:
         return {"error": str(e)}
-    code = "import json; from kv_connectors.doctor import probe; print(json.dumps(probe('nixl', False, 1 << 20, 0.0)))"
-    with tempfile.TemporaryDirectory(prefix="kvc-doctor-ucx-") as tmp, ucx_on_loopback():
+    with tempfile.TemporaryDirectory(prefix="kvc-doctor-ucx-") as tmp, ucx_on_loopback() if loopback else contextlib.nullcontext():
         env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_FILE": os.path.join(tmp, "ucx.%p.log")}
         try:
             proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=_ASK_TIMEOUT_S)
@@ -213,7 +212,24 @@ def ucx_selection() -> dict[str, Any]:
     chosen = parse_proto_info(logs)
     if not chosen["read"] and not chosen["write"]:
         return {"error": "UCX printed no protocol tables (UCX_PROTO_INFO needs UCX 1.14 or later)"}
-    return chosen
+    return {**answer, **chosen}
+
+
+def ucx_selection() -> dict[str, Any]:
+    """Ask UCX which transports it uses between two processes of this host: a child process runs a
+    short NIXL probe (READ and WRITE) with UCX_PROTO_INFO=y; the protocol tables both processes
+    logged are parsed. {"read": [...], "write": [...], "messages": [...]}, or {"error": why}."""
+    code = "import json; from kv_connectors.doctor import probe; print(json.dumps(probe('nixl', False, 1 << 20, 0.0)))"
+    answer = _ask_ucx(code, loopback=True)
+    return answer if "error" in answer else {op: answer[op] for op in _PROTO_OPS}
+
+
+def ask_peer(host: str, port: int) -> dict[str, Any]:
+    """Ask UCX which transports carry KV to the `doctor --serve` at host:port (a NIXL READ and WRITE
+    from a child with UCX_PROTO_INFO=y, in this environment): {"read", "write", "messages": lanes,
+    "read_gbps", "write_gbps"}, or {"error": why}."""
+    code = f"import json; from kv_connectors.peerprobe import probe_remote; print(json.dumps(probe_remote({host!r}, {port:d})))"
+    return _ask_ucx(code, loopback=False)
 
 
 _RDMA_TLS = ("rc", "ud", "dc", "ib")
@@ -255,11 +271,37 @@ def _rdma_of(dev: str) -> list[str]:
     return sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
 
 
-def peer_path(host: str, dev: dict[str, Any], env: dict[str, str], within_host: str | None = None) -> dict[str, Any]:
+def peer_path(
+    host: str, dev: dict[str, Any], env: dict[str, str], within_host: str | None = None, port: int | None = None
+) -> dict[str, Any]:
     """What UCX will use between this host and a peer at `host`: the interface the kernel routes
     through, the RDMA device behind it (if any), and whether UCX_TLS / UCX_NET_DEVICES let UCX
-    use them. Deduced from the routing table and sysfs, except for a peer on this host when UCX was
-    asked (within_host: the report's answer); warnings for traps."""
+    use them, deduced from the routing table and sysfs (for a peer on this host, within_host: the
+    report's answer); warnings for traps. With the port of a `doctor --serve` there, UCX is asked
+    instead (ask_peer: the lanes it chose and the GB/s it moved), and a failure to move bytes is an error."""
+    out = _deduced_path(host, dev, env, within_host)
+    if port is None or "error" in out:
+        return out
+    asked = ask_peer(out["address"], port)
+    if "error" in asked:
+        return {**out, "error": f"UCX moved no KV to the doctor --serve at {host}:{port}: {asked['error']}"}
+    out["asked"] = asked
+    out["transport"] = (
+        f"READ {','.join(asked['read']) or 'none'}, WRITE {','.join(asked['write']) or 'none'} "
+        f"(asked of UCX through the doctor --serve at {host}:{port})"
+    )
+    out["warnings"] = [w for w in out["warnings"] if " go over TCP " not in w]  # the deduction's, now answered
+    tcp = [lane for lane in _network_only(asked) if lane.startswith("tcp/")]
+    if tcp:
+        out["warnings"].insert(
+            0,
+            f"transfers to {host} go over TCP (UCX chose {','.join(tcp)}; READ {asked['read_gbps']} GB/s, "
+            f"WRITE {asked['write_gbps']} GB/s): expect TCP throughput, not RDMA's",
+        )
+    return out
+
+
+def _deduced_path(host: str, dev: dict[str, Any], env: dict[str, str], within_host: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {"peer": host, "warnings": []}
     try:
         address = str(socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0])
@@ -308,16 +350,11 @@ def _open(kind: str, name: str, staged: bool, buf: np.ndarray) -> Transport:
     return transport
 
 
-def _pattern(num_blocks: int) -> np.ndarray:
-    """Block b holds (b % 251) + 1 in every byte: a copy is checked by one byte per block."""
-    return np.repeat((np.arange(num_blocks) % 251 + 1).astype(np.uint8), _BLOCK_BYTES)
-
-
 def _peer(conn: Connection, kind: str, staged: bool, nbytes: int) -> None:
     """The other process: registers a patterned buffer, answers with its metadata, then keeps its
     transport progressing (staging needs it) until told to stop."""
     try:
-        buf = _pattern(nbytes // _BLOCK_BYTES)
+        buf = pattern(nbytes // _BLOCK_BYTES)
         t = _open(kind, "doctor-peer", staged, buf)
         conn.send(("ready", t.local_metadata(), int(buf.ctypes.data)))
         while True:
@@ -333,14 +370,6 @@ def _peer(conn: Connection, kind: str, staged: bool, nbytes: int) -> None:
     except BaseException as e:  # reported to the parent, which reports the path as failed
         with contextlib.suppress(OSError):
             conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-def _wait(t: Transport, handle: Any) -> None:
-    deadline = time.monotonic() + _PROBE_DEADLINE_S
-    while t.poll(handle) is not XferState.DONE:
-        if time.monotonic() > deadline:
-            raise KVConnectorError(f"the probe's transfer did not finish within {_PROBE_DEADLINE_S:g} s")
-    t.release(handle)
 
 
 def probe(kind: str, staged: bool, nbytes: int = _PROBE_BYTES, seconds: float = 0.4) -> dict[str, Any]:
@@ -368,28 +397,7 @@ def probe(kind: str, staged: bool, nbytes: int = _PROBE_BYTES, seconds: float = 
             return {"error": "the probe's peer could not connect back"}
         peer_layout = KVLayout(num_blocks, 16, (Region(peer_base, _BLOCK_BYTES, _BLOCK_BYTES, num_blocks),))
         local_layout = host_layout(buf, num_blocks, 16, num_regions=1)
-        rng = np.random.default_rng(0)
-        src = rng.permutation(num_blocks).tolist()
-        dst = rng.permutation(num_blocks).tolist()
-        out: dict[str, Any] = {}
-        for op in ("read", "write"):
-            plan = (
-                plan_transfer(peer_layout, src, local_layout, dst)
-                if op == "read"
-                else plan_transfer(local_layout, dst, peer_layout, src)
-            )
-            moved, started = 0, time.monotonic()
-            while moved == 0 or time.monotonic() - started < seconds:
-                handle = t.post_read("doctor-peer", plan, b"") if op == "read" else t.post_write("doctor-peer", plan, b"")
-                _wait(t, handle)
-                moved += plan.total_bytes
-            out[f"{op}_gbps"] = round(moved / (time.monotonic() - started) / 1e9, 3)
-            if op == "read":
-                got = buf.reshape(num_blocks, _BLOCK_BYTES)[dst, 0]
-                if not np.array_equal(got, (np.asarray(src) % 251 + 1).astype(np.uint8)):
-                    return {"error": "the probe's READ moved the wrong bytes"}
-        out["descriptors"] = plan.num_runs
-        return out
+        return timed_ops(t, "doctor-peer", peer_layout, local_layout, buf, seconds)
     except KVConnectorError as e:
         return {"error": str(e)}
     finally:
@@ -498,11 +506,19 @@ def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequ
     report["recommendation"] = recommend(report)
     if peers:
         # within_host is UCX's own answer where it was asked, else the same deduction peer_path makes
-        report["peers"] = [peer_path(host, dev, report["ucx"]["env"], report["ucx"]["within_host"]) for host in peers]
+        report["peers"] = [_peer_report(spec, dev, report["ucx"]) for spec in peers]
         report["recommendation"]["warnings"] += [w for p in report["peers"] for w in p["warnings"]]
     if config is not None:
         report["config_problems"] = config_problems(config)
     return report
+
+
+def _peer_report(spec: str, dev: dict[str, Any], u: dict[str, Any]) -> dict[str, Any]:
+    try:
+        host, port = parse_peer(spec)
+    except ValueError as e:
+        return {"peer": spec, "warnings": [], "error": str(e)}
+    return peer_path(host, dev, u["env"], u["within_host"], port)
 
 
 def render(report: dict[str, Any]) -> str:

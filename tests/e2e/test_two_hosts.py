@@ -5,6 +5,7 @@ load within D's deadlines, and loads succeed again once the link is back."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 
@@ -161,3 +162,27 @@ def test_bench_transport_moves_verified_bytes_between_the_namespaces(transport, 
     assert r["path"].startswith("two hosts") and r["mode"] == mode
     assert r["gbps"] > 0 and r["tcp_gbps"] > 0 and r["ratio_tcp"] > 0, r
     assert "raw TCP, P's namespace to D's" in proc.stdout
+
+
+def test_doctor_asks_ucx_across_the_namespaces_through_a_doctor_serve_on_p(hosts):
+    """`doctor --serve` in P's namespace, `doctor --peer P:PORT` in D's: UCX's own answer for the path
+    between the hosts (tcp over eth0 under UCX_TLS=tcp, bytes moved and verified); with D's
+    UCX_NET_DEVICES=lo UCX cannot reach P, and that is exit 2 with the reason, within the deadlines."""
+    from kv_connectors.peerprobe import SERVING
+    from kvc_testing.procs import ManagedProcess
+
+    argv = ["ip", "netns", "exec", hosts.p.netns, sys.executable, "-m", "kv_connectors", "doctor"]
+    with ManagedProcess([*argv, "--serve", f"{hosts.p.address}:5799", "--serve-s", "300"], name="doctor-serve-p") as server:
+        server.wait_log(SERVING, 60)
+        code, r = _doctor_in(hosts.d, "--peer", f"{hosts.p.address}:5799", env={"UCX_TLS": "tcp"})
+        assert code == 0, r
+        (to_p,) = r["peers"]
+        assert to_p["interface"] == "eth0" and to_p["asked"]["read"] == ["tcp/eth0"], to_p
+        assert set(to_p["asked"]["write"]) == {"tcp/eth0"} and to_p["asked"]["read_gbps"] > 0, to_p
+        assert any("UCX chose tcp/eth0" in w for w in r["recommendation"]["warnings"]), r["recommendation"]
+        started = time.monotonic()
+        code, r = _doctor_in(hosts.d, "--peer", f"{hosts.p.address}:5799", env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
+        error = r["peers"][0]["error"]
+        assert code == 2 and "UCX moved no KV to the doctor --serve" in error and "refused" in error, r
+        assert time.monotonic() - started < 100
+        assert server.is_running(), server.log_tail()

@@ -5,9 +5,14 @@ work here refused with exit status 2."""
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
+
+from kv_connectors.peerprobe import SERVING
+from kvc_testing.procs import ManagedProcess, free_port
 
 IB = Path("/sys/class/infiniband")
 
@@ -78,3 +83,37 @@ def test_doctor_refuses_a_config_that_cannot_work_here():
     spin["kv_connector_extra_config"] = {"progress_delay_us": 0, "side_channel_port": 5999}
     code, r = _doctor("--no-probe", "--config", json.dumps(spin), timeout=120)
     assert code == 2 and any("spin" in p for p in r["config_problems"])
+
+
+def _server(host: str, port: int, *wrap: str) -> ManagedProcess:
+    argv = [*wrap, sys.executable, "-m", "kv_connectors", "doctor", "--serve", f"{host}:{port}", "--serve-s", "240"]
+    server = ManagedProcess(argv, name="doctor-serve")
+    server.start()
+    server.wait_log(SERVING, 60)
+    return server
+
+
+def test_doctor_asks_ucx_through_a_doctor_serve_and_survives_a_hostile_client(monkeypatch):
+    """`doctor --peer HOST:PORT` against a `doctor --serve` (real NIXL, two processes): UCX's own
+    answer (tcp under UCX_TLS=tcp, with the TCP warning) and the GB/s it moved, bytes verified; a client
+    that announces a huge frame or sends garbage is dropped and the server answers the next probe."""
+    port = free_port()
+    with _server("127.0.0.1", port) as server:
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        code, r = _doctor("--no-probe", "--peer", f"127.0.0.1:{port}", timeout=120)
+        assert code == 0, r
+        (peer,) = r["peers"]
+        asked = peer["asked"]
+        assert asked["read"] and all(lane.startswith("tcp/") for lane in asked["read"] + asked["write"]), asked
+        assert asked["read_gbps"] > 0 and asked["write_gbps"] > 0 and asked["descriptors"] > 1, asked
+        assert "asked of UCX through the doctor --serve" in peer["transport"], peer
+        assert any("go over TCP (UCX chose tcp/" in w for w in r["recommendation"]["warnings"]), r["recommendation"]
+        for junk in (struct.pack("!I", 1 << 30), b"\x00\x00\x00\x05garbage", b""):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(junk)
+        monkeypatch.delenv("UCX_TLS")
+        code, r = _doctor("--no-probe", "--peer", f"127.0.0.1:{port}", timeout=120)
+        assert code == 0 and r["peers"][0]["asked"]["read"] == ["cma/memory"], r["peers"]
+        assert server.is_running(), server.log_tail()
+    code, r = _doctor("--no-probe", "--peer", f"127.0.0.1:{port}", timeout=120)  # nobody serves there now
+    assert code == 2 and "cannot reach a `doctor --serve`" in r["peers"][0]["error"], r["peers"]
