@@ -2,8 +2,10 @@
 
 multiturn  conversations of several turns (each turn's prompt is the whole history: the last prompt, its
            output and new user tokens), prefix policy vs round robin on both roles: KV bytes D loaded per
-           request, prompt tokens P computed (prompt tokens minus P's prefix-cache hits), mean TTFT.
-           Each policy gets its own conversations (same shapes), so neither finds the other's in a cache.
+           request, prompt tokens P and D computed (vLLM's prompt_tokens_by_source, local_compute), mean
+           TTFT. A third arm adds conditional disaggregation to the prefix policy (--local-prefill-below
+           --turn-local: a turn whose uncached part on the chosen D is shorter goes to D alone).
+           Each arm gets its own conversations (same shapes), so none finds another's in a cache.
 short      prompts shorter than --local-prefill-below: D alone vs always disaggregating, interleaved
            request by request; TTFT ratio.
 seed       first token from prefill on vs off vs a colocated server, interleaved request by request,
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.e2e_configs import settings_for
 from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, make_prompts, metric, pd_server, stats
@@ -66,6 +69,15 @@ def labelled(url: str, sample: str) -> float:
     raise RuntimeError(f"{url}/metrics has no {sample}")
 
 
+def computed_tokens(url: str) -> float:
+    """Prompt tokens a vLLM server computed itself (not from its prefix cache, not loaded from a peer)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:prompt_tokens_by_source":
+            return sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels.get("source") == "local_compute")
+    raise RuntimeError(f"{url}/metrics has no vllm:prompt_tokens_by_source")
+
+
 def mean_ms(samples: Sequence[float]) -> float:
     return statistics.fmean(samples) * 1e3
 
@@ -88,10 +100,11 @@ class Fleet:
         return ProxyProcess([p.url for p in self.prefill], [d.url for d in self.decode], extra_args=[*PROXY_ARGS, *args])
 
     def counters(self) -> dict[str, float]:
-        """P's prompt tokens and prefix-cache hits, D's loaded KV bytes and loads (cumulative)."""
+        """P's prompt tokens, P's and D's computed prompt tokens, D's loaded KV bytes and loads (cumulative)."""
         return {
             "p_prompt_tokens": sum(metric(p.url, "vllm:prompt_tokens_total") for p in self.prefill),
-            "p_cache_hits": sum(metric(p.url, "vllm:prefix_cache_hits_total") for p in self.prefill),
+            "p_computed_tokens": sum(computed_tokens(p.url) for p in self.prefill),
+            "d_computed_tokens": sum(computed_tokens(d.url) for d in self.decode),
             "d_kv_bytes": float(sum(stats(d).recv_bytes for d in self.decode)),
             "d_loads": float(sum(stats(d).recv_transfers for d in self.decode)),
         }
@@ -107,10 +120,13 @@ def conversations(n: int, turns: int, context: int, turn_tokens: int, seed: int)
     return out
 
 
-def run_multiturn(fleet: Fleet, policy: str, convs: list[tuple[list[int], list[list[int]]]], max_tokens: int) -> dict[str, Any]:
+def run_multiturn(
+    fleet: Fleet, policy: str, convs: list[tuple[list[int], list[list[int]]]], max_tokens: int, *extra: str
+) -> dict[str, Any]:
     ttfts: list[float] = []
     before = fleet.counters()
-    with fleet.proxy("--prefill-policy", policy, "--decode-policy", policy) as proxy, httpx.Client(timeout=300) as client:
+    args = ("--prefill-policy", policy, "--decode-policy", policy, *extra)
+    with fleet.proxy(*args) as proxy, httpx.Client(timeout=300) as client:
         proxy.wait_ready()
 
         def converse(conv: tuple[list[int], list[list[int]]]) -> list[float]:
@@ -125,31 +141,49 @@ def run_multiturn(fleet: Fleet, policy: str, convs: list[tuple[list[int], list[l
         with ThreadPoolExecutor(4) as pool:
             for times in pool.map(converse, convs):
                 ttfts += times
+        local = labelled(proxy.url, 'kvc_proxy_decode_only_total{mode="local"}') if extra else 0.0
     time.sleep(1.0)  # the last loads' counters
     after = fleet.counters()
     delta = {k: after[k] - before[k] for k in after}
     requests = len(ttfts)
     return {
-        "policy": policy,
+        "policy": " ".join((policy, *extra)),
         "requests": requests,
         "kv_bytes_per_request": delta["d_kv_bytes"] / requests,
         "p_prompt_tokens": delta["p_prompt_tokens"],
-        "p_computed_tokens": delta["p_prompt_tokens"] - delta["p_cache_hits"],
+        "p_computed_tokens": delta["p_computed_tokens"],
+        "d_computed_tokens": delta["d_computed_tokens"],
         "d_loads": delta["d_loads"],
+        "local_prefills": local,
         "ttft_mean_ms": mean_ms(ttfts),
     }
 
 
+def _over(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+    return a[key] / b[key] if b[key] else None
+
+
 def multiturn(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
-    rr = run_multiturn(fleet, "round_robin", conversations(args.conversations, args.turns, args.context, args.turn_tokens, 1), 8)
-    px = run_multiturn(fleet, "prefix", conversations(args.conversations, args.turns, args.context, args.turn_tokens, 2), 8)
-    return {
-        "round_robin": rr,
-        "prefix": px,
-        "ratio_kv_bytes": px["kv_bytes_per_request"] / rr["kv_bytes_per_request"] if rr["kv_bytes_per_request"] else None,
-        "ratio_p_computed_tokens": px["p_computed_tokens"] / rr["p_computed_tokens"] if rr["p_computed_tokens"] else None,
-        "ratio_ttft": px["ttft_mean_ms"] / rr["ttft_mean_ms"],
+    def convs(seed: int) -> list[tuple[list[int], list[list[int]]]]:
+        return conversations(args.conversations, args.turns, args.context, args.turn_tokens, seed)
+
+    arms = {
+        "round_robin": run_multiturn(fleet, "round_robin", convs(1), 8),
+        "prefix": run_multiturn(fleet, "prefix", convs(2), 8),
+        "prefix_local": run_multiturn(fleet, "prefix", convs(3), 8, "--local-prefill-below", str(args.turn_local)),
     }
+    rr = arms["round_robin"]
+    out: dict[str, Any] = {**arms, "turn_local": args.turn_local}
+    for name in ("prefix", "prefix_local"):
+        px = arms[name]
+        out[name]["vs_round_robin"] = {
+            "kv_bytes": _over(px, rr, "kv_bytes_per_request"),
+            "p_computed_tokens": _over(px, rr, "p_computed_tokens"),
+            "p_and_d_computed_tokens": (px["p_computed_tokens"] + px["d_computed_tokens"])
+            / (rr["p_computed_tokens"] + rr["d_computed_tokens"]),
+            "ttft": px["ttft_mean_ms"] / rr["ttft_mean_ms"],
+        }
+    return out
 
 
 def interleaved(
@@ -262,6 +296,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -273,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=192, help="multiturn: tokens of each conversation's opening")
     parser.add_argument("--turn-tokens", type=int, default=32, help="multiturn: user tokens added each turn")
     parser.add_argument("--local-below", type=int, default=64, help="short: the --local-prefill-below threshold")
+    parser.add_argument(
+        "--turn-local", type=int, default=64, help="multiturn, third arm: the --local-prefill-below threshold with prefix"
+    )
     parser.add_argument("--lengths", default="128,256,512,1024", help="seed: prompt lengths")
     parser.add_argument("--requests", type=int, default=40, help="short and seed: requests per path")
     parser.add_argument("--warmup", type=int, default=4)
@@ -285,16 +326,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "multiturn" in result:
         m = result["multiturn"]
         print(f"multiturn ({args.conversations} conversations x {args.turns} turns), prefix vs round_robin:")
-        for policy in ("round_robin", "prefix"):
-            r = m[policy]
+        for arm in ("round_robin", "prefix", "prefix_local"):
+            r = m[arm]
             print(
-                f"  {policy:12s} KV bytes/request {r['kv_bytes_per_request']:10.0f}  P computed tokens "
-                f"{r['p_computed_tokens']:8.0f}  TTFT mean {r['ttft_mean_ms']:7.1f} ms"
+                f"  {arm:12s} KV bytes/request {r['kv_bytes_per_request']:10.0f}  computed tokens P {r['p_computed_tokens']:6.0f}"
+                f" D {r['d_computed_tokens']:6.0f}  D alone {r['local_prefills']:4.0f}  TTFT mean {r['ttft_mean_ms']:7.1f} ms"
             )
-        print(
-            f"  ratios prefix/round_robin: KV bytes {m['ratio_kv_bytes']:.2f}, "
-            f"P computed {m['ratio_p_computed_tokens']:.2f}, TTFT {m['ratio_ttft']:.2f}"
-        )
+        for arm in ("prefix", "prefix_local"):
+            v = m[arm]["vs_round_robin"]
+            print(
+                f"  {arm}/round_robin: KV bytes {_fmt(v['kv_bytes'])}, P computed {_fmt(v['p_computed_tokens'])}, "
+                f"P+D computed {v['p_and_d_computed_tokens']:.2f}, TTFT {v['ttft']:.2f}"
+                + (f" (--local-prefill-below {m['turn_local']})" if arm == "prefix_local" else "")
+            )
     if "short" in result:
         s = result["short"]
         print(
