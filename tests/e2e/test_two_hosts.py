@@ -61,7 +61,9 @@ def _stats(host: netns.Host):
     return sidechannel.query_stats(host.address, SIDE_CHANNEL_PORT)
 
 
-def _exact_through_proxy(reference, p: VllmServer, d: VllmServer, hosts: netns.TwoHosts, prompts) -> None:
+def _exact_through_proxy(reference, p: VllmServer, d: VllmServer, hosts: netns.TwoHosts, prompts, pull: bool = False) -> None:
+    """Greedy-exact through the proxy, every prompt loaded from P; pulled loads proved by P's lease
+    words (one-sided reads over TCP too, no claim) where `pull`."""
     before = _stats(hosts.d)
     with ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
@@ -71,6 +73,8 @@ def _exact_through_proxy(reference, p: VllmServer, d: VllmServer, hosts: netns.T
     after = _stats(hosts.d)
     assert after.recv_transfers - before.recv_transfers == len(prompts), "D did not load every prompt from P"
     assert after.recv_bytes > before.recv_bytes and after.recv_failures == before.recv_failures
+    if pull:
+        assert after.reads_fenced_by_words - before.reads_fenced_by_words == len(prompts), (before, after)
     wait_until(lambda: _stats(hosts.p).held_blocks == 0, 15, "P to free the blocks D loaded")
 
 
@@ -82,7 +86,7 @@ def test_greedy_exact_across_hosts_pull_and_push(tiny_model, reference, hosts, t
     push = _server(tiny_model, hosts.d, "kv_consumer", form, f"D-{transport}-push-netns", mode="push", **D_DEADLINES)
     with p:
         with pull:
-            _exact_through_proxy(reference, p, pull, hosts, make_prompts([40, 150, 333], seed=21))
+            _exact_through_proxy(reference, p, pull, hosts, make_prompts([40, 150, 333], seed=21), pull=True)
         with push:  # the same P serves a D that asks it to write
             _exact_through_proxy(reference, p, push, hosts, make_prompts([60, 200], seed=22))
 
