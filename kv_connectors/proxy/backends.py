@@ -124,30 +124,34 @@ class BackendPool:
         """The longest match (ties: fewest in flight, then round robin), unless load is imbalanced or no
         backend has seen the prompt's first chunk (then the fewest in flight). The prompt is remembered
         for the one chosen."""
-        loads = [b.outstanding for b in candidates]
-        low, high = min(loads), max(loads)
-        settings = self.prefix_settings
-        matched = 0
-        if high - low > settings.balance_abs and high > settings.balance_rel * low:
-            result = "balance"
-            chosen = min(candidates, key=lambda b: b.outstanding)
-        else:
-            matches = [b.prefix.match(key) if b.prefix is not None else 0 for b in candidates]
-            matched = max(matches)
-            result = "hit" if matched else "miss"
-            best = [b for b, m in zip(candidates, matches) if m == matched]
-            chosen = min(best, key=lambda b: b.outstanding)
+        chosen, matched, result = self._prefer(candidates, key)
         if chosen.prefix is not None:
             chosen.prefix.insert(key)
         self.metrics.prefix_decisions.labels(self.role.value, result).inc()
         self.metrics.prefix_matched_share.labels(self.role.value).observe(key.covered_fraction(matched))
         return chosen
 
-    def best_match(self, key: PromptKey) -> float:
-        """The largest share of the prompt an available backend has seen (0 without the prefix policy)."""
-        if self.policy is not Policy.PREFIX or not key.hashes:
+    def _prefer(self, candidates: list[Backend], key: PromptKey) -> tuple[Backend, int, str]:
+        """The prefix policy's choice among candidates, without making it: (backend, its matched chunks
+        counted in the decision, "hit" | "miss" | "balance")."""
+        loads = [b.outstanding for b in candidates]
+        low, high = min(loads), max(loads)
+        settings = self.prefix_settings
+        if high - low > settings.balance_abs and high > settings.balance_rel * low:
+            return min(candidates, key=lambda b: b.outstanding), 0, "balance"
+        matches = [b.prefix.match(key) if b.prefix is not None else 0 for b in candidates]
+        matched = max(matches)
+        best = [b for b, m in zip(candidates, matches) if m == matched]
+        return min(best, key=lambda b: b.outstanding), matched, "hit" if matched else "miss"
+
+    def expected_match(self, key: PromptKey) -> float:
+        """The share of the prompt seen by the backend pick() would choose now (0 without the prefix
+        policy): what that backend has cached, where a local prefill would run."""
+        candidates = self._in_turn()
+        if self.policy is not Policy.PREFIX or not key.hashes or not candidates:
             return 0.0
-        return max((key.covered_fraction(b.prefix.match(key)) for b in self.backends if b.available and b.prefix), default=0.0)
+        chosen, _, _ = self._prefer(candidates, key)
+        return key.covered_fraction(chosen.prefix.match(key)) if chosen.prefix is not None else 0.0
 
     # -- fleet changes (the admin endpoints); the tuple is replaced, never changed, so iterations stay valid --
 

@@ -55,10 +55,10 @@ def sub_requests(route: str, body: dict[str, Any], headers: dict[str, str]) -> l
 
 
 async def _run(ctx: ProxyContext, route: str, runner: PairRunner, sub: SubRequest, seed: bool = False) -> Answer | Seeded:
-    """One prompt: D alone when what D has not cached of it (all of it, without the prefix policy on D)
-    is shorter than --local-prefill-below, else P and D (`seed`: first token from prefill, if P's allows)."""
+    """One prompt: D alone when what the D the policy picks has not cached of it (all of it, without the
+    prefix policy on D) is shorter than --local-prefill-below, else P and D (`seed`: first token from prefill, if P's allows)."""
     limit = ctx.config.local_prefill_below
-    cached = ctx.decode.best_match(sub.key) if sub.key is not None else 0.0
+    cached = ctx.decode.expected_match(sub.key) if sub.key is not None else 0.0
     local = limit > 0 and await tokens.uncached_below(ctx, route, sub.body, limit, cached)
     return await runner.run(sub, Mode.LOCAL if local else Mode.DISAGGREGATED, seed=seed and not local)
 

@@ -67,7 +67,7 @@ def test_longest_match_wins_unless_load_is_imbalanced() -> None:
     d1.outstanding = 3  # 2 more: within balance_abs, the longest match wins (d2 has a's first 2 chunks now)
     assert pool.pick(key=prompt_key(conv_a + [5] * 20, None, 16)) is d1
     assert pool.pick(exclude={d1}, key=prompt_key(conv_a, None, 16)) is d2  # a retry elsewhere
-    assert pool.best_match(prompt_key(conv_a + [5] * 32, None, 16)) == pytest.approx(48 / 64)
+    assert pool.expected_match(prompt_key(conv_a + [5] * 32, None, 16)) == pytest.approx(48 / 64)
     text = pool.metrics.render().decode()
     assert metric_value(text, "kvc_proxy_prefix_decisions_total", role="decode", result="balance") == 1
     assert metric_value(text, "kvc_proxy_prefix_decisions_total", role="decode", result="miss") == 2
@@ -129,3 +129,30 @@ async def test_decode_alone_when_it_has_cached_all_but_a_few_tokens() -> None:
         await client.post("/v1/completions", json={"prompt": first + [7, 7, 7]})  # 4 tokens not cached: D alone
         await client.post("/v1/completions", json={"prompt": first[:50] + list(range(500, 560))})  # 60 new: P too
     assert fleet.urls() == [P1, D1, D1, P1, D1]
+
+
+def test_the_hit_that_decides_d_alone_is_the_one_on_the_d_the_policy_picks() -> None:
+    """Under imbalance the prefix policy sends the prompt to the idlest D, which has not seen it: the
+    estimated hit is that D's (none), not the busy D's, or D alone would compute the whole prompt."""
+    pool = _pool(balance_abs=2, balance_rel=1.5)
+    d1, d2 = pool.backends
+    history = [1] * 64
+    assert pool.pick(key=prompt_key(history, None, 16)) is d1
+    turn = prompt_key(history + [5] * 4, None, 16)
+    assert pool.expected_match(turn) == pytest.approx(64 / 68)  # balanced: d1, which has the history
+    d1.outstanding, d2.outstanding = 5, 1  # load wins: d2
+    assert pool.expected_match(turn) == 0.0
+    assert pool.pick(key=turn) is d2  # what expected_match foresaw (and it chose nothing itself)
+
+
+async def test_decode_alone_only_where_the_picked_d_has_the_prefix() -> None:
+    fleet = Fleet((P1,), (D1, D2))
+    cfg = config(decode=(D1, D2), decode_policy=Policy.PREFIX, local_prefill_below=8, prefix=PrefixSettings(chunk_tokens=4))
+    first = list(range(100))
+    async with running(cfg, fleet) as (app, client):
+        await client.post("/v1/completions", json={"prompt": first})
+        d1 = next(b for b in app.state.proxy.decode.backends if b.url == fleet.urls()[-1])
+        d1.outstanding = 20  # busy: the next prompt goes to the other D, which has computed nothing of it
+        await client.post("/v1/completions", json={"prompt": first + [7, 7, 7]})
+    p_then_d = fleet.urls()[2:]
+    assert p_then_d[0] == P1 and p_then_d[1] != fleet.urls()[1], fleet.urls()  # P, then the other D
