@@ -137,7 +137,8 @@ def serve(host: str, port: int, seconds: float, log: Any = print) -> int:
     t = _open(f"doctor-serve-{socket.gethostname()}", buf)
     served = 0
     try:
-        with socket.create_server((host, port)) as listener:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.create_server((host, port), family=family) as listener:
             log(f"{SERVING} {host}:{listener.getsockname()[1]} for {seconds:g} s", flush=True)
             end = time.monotonic() + seconds
             while time.monotonic() < end:
