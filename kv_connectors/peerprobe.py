@@ -145,13 +145,19 @@ def serve(host: str, port: int, seconds: float, log: Any = print) -> int:
                 ready, _, _ = select.select([listener], [], [], min(1.0, max(0.0, end - time.monotonic())))
                 if not ready:
                     continue
-                conn, addr = listener.accept()
+                try:
+                    conn, addr = listener.accept()
+                except OSError as e:
+                    log(f"doctor: accept failed: {e}", flush=True)
+                    continue
                 with conn:
                     try:
                         _session(conn, t, buf)
                         served += 1
                     except (KVConnectorError, OSError) as e:
                         log(f"doctor: a probe from {addr[0]} failed: {e}", flush=True)
+                    finally:
+                        buf[:] = pattern(buf.nbytes // BLOCK_BYTES)  # whatever a prober wrote, the next reads the pattern
     finally:
         t.close()
     return served
