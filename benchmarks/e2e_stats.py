@@ -19,14 +19,19 @@ RATIO_FIGURES = (
     "gbps",
     "cpu_ms_per_request",
 )
-BASELINES = {"builtin-nixl": "vs_builtin", "colocated": "vs_colocated"}
-# The built-in baseline where the run has no builtin-nixl (as shipped): the tuned one, named in the report.
-BUILTIN_FALLBACK = "builtin-nixl-patched"
+# Each ratio key over the first of its configurations the run has: the built-in as shipped, else the
+# tuned one (the report names which); colocated.
+BASELINES = {"vs_builtin": ("builtin-nixl", "builtin-nixl-patched"), "vs_colocated": ("colocated",)}
+
+
+def baseline(results: Mapping[str, Any], key: str) -> str | None:
+    """The configuration the `key` ratios are over (BASELINES), or None when the run has none of them."""
+    return next((name for name in BASELINES[key] if name in results), None)
 
 
 def builtin_baseline(results: Mapping[str, Any]) -> str | None:
     """The configuration /bi ratios are over: builtin-nixl, else builtin-nixl-patched, else None."""
-    return next((name for name in ("builtin-nixl", BUILTIN_FALLBACK) if name in results), None)
+    return baseline(results, "vs_builtin")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +109,12 @@ def ratio(value: float | None, base: float | None) -> float | None:
 def add_ratios(results: Mapping[str, dict[str, Any]]) -> None:
     """Give every configuration `vs_builtin` and `vs_colocated`: each RATIO_FIGURES figure over the baseline's.
 
-    The built-in baseline is builtin-nixl, else builtin-nixl-patched (builtin_baseline). A baseline that
+    The built-in baseline is builtin-nixl, else builtin-nixl-patched (BASELINES). A baseline that
     is absent or failed gives None ratios (a failed configuration's figures are None).
     """
-    for base_name, key in BASELINES.items():
-        if key == "vs_builtin":
-            base_name = builtin_baseline(results) or base_name
-        base = results.get(base_name)
+    for key in BASELINES:
+        name = baseline(results, key)
+        base = results[name] if name is not None else None
         for entry in results.values():
             entry[key] = {f: ratio(entry.get(f), base.get(f) if base else None) for f in RATIO_FIGURES}
 

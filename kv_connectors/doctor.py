@@ -57,7 +57,6 @@ _DISTRIBUTIONS = (
     "mooncake-transfer-engine-non-cuda",
 )
 _SYS = Path("/sys")
-_BLOCK_BYTES = BLOCK_BYTES
 _PROBE_BYTES = 32 << 20
 _STAGING_POOL = 8 << 20
 _STAGING_CHUNK = 1 << 20
@@ -346,7 +345,7 @@ def _open(kind: str, name: str, staged: bool, buf: np.ndarray) -> Transport:
         from kv_connectors.transports.staging import StagedTransport
 
         transport = StagedTransport(inner, pool_bytes=_STAGING_POOL, chunk_bytes=_STAGING_CHUNK)
-    transport.register(host_layout(buf, buf.nbytes // _BLOCK_BYTES, 16, num_regions=1))
+    transport.register(host_layout(buf, buf.nbytes // BLOCK_BYTES, 16, num_regions=1))
     return transport
 
 
@@ -354,7 +353,7 @@ def _peer(conn: Connection, kind: str, staged: bool, nbytes: int) -> None:
     """The other process: registers a patterned buffer, answers with its metadata, then keeps its
     transport progressing (staging needs it) until told to stop."""
     try:
-        buf = pattern(nbytes // _BLOCK_BYTES)
+        buf = pattern(nbytes // BLOCK_BYTES)
         t = _open(kind, "doctor-peer", staged, buf)
         conn.send(("ready", t.local_metadata(), int(buf.ctypes.data)))
         while True:
@@ -388,14 +387,14 @@ def probe(kind: str, staged: bool, nbytes: int = _PROBE_BYTES, seconds: float = 
         if msg[0] == "error":
             return {"error": msg[1]}
         _, peer_metadata, peer_base = msg
-        num_blocks = nbytes // _BLOCK_BYTES
+        num_blocks = nbytes // BLOCK_BYTES
         buf = np.zeros(nbytes, np.uint8)
         t = _open(kind, "doctor-self", staged, buf)
         t.connect("doctor-peer", peer_metadata)
         mine.send(("connect", "doctor-self", t.local_metadata()))
         if not mine.poll(30) or mine.recv()[0] != "ok":
             return {"error": "the probe's peer could not connect back"}
-        peer_layout = KVLayout(num_blocks, 16, (Region(peer_base, _BLOCK_BYTES, _BLOCK_BYTES, num_blocks),))
+        peer_layout = KVLayout(num_blocks, 16, (Region(peer_base, BLOCK_BYTES, BLOCK_BYTES, num_blocks),))
         local_layout = host_layout(buf, num_blocks, 16, num_regions=1)
         return timed_ops(t, "doctor-peer", peer_layout, local_layout, buf, seconds)
     except KVConnectorError as e:
