@@ -244,7 +244,7 @@ def producer_params(
     transfer_id: str | None = None,
     tp_size: int = 1,
     block_size: int | None = None,
-    prompt_token_ids: Sequence[int] | None = None,
+    digest: str | None = None,
 ) -> dict[str, Any]:
     """What P returns with its answer, for the proxy to copy into D's request.
 
@@ -263,8 +263,8 @@ def producer_params(
     }
     if block_size is not None:
         params[REMOTE_BLOCK_SIZE] = block_size
-    if prompt_token_ids is not None:
-        params[REMOTE_PROMPT_DIGEST] = prompt_digest(prompt_token_ids)
+    if digest is not None:  # prompt_digest of P's prompt token ids
+        params[REMOTE_PROMPT_DIGEST] = digest
     if transfer_id is not None:
         params[TRANSFER_ID] = transfer_id
     return params

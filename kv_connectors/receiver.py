@@ -250,6 +250,7 @@ class Receiver:
             first_token=task.first_token,
             num_tokens=task.num_tokens,
             consumer_first_token=task.local_first_token,
+            prompt_digest=task.prompt_digest,
         )
         task.ack = self._submit(task.peer_key, request)
         task.phase = RecvPhase.REQUESTED

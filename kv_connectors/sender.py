@@ -21,10 +21,12 @@ from kv_connectors.errors import KVConnectorError, TransferParamsError
 from kv_connectors.fence import LeaseWords
 from kv_connectors.layout import KVLayout, reader_count
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
-from kv_connectors.state import ClaimResult, SendLeases
+from kv_connectors.state import ClaimResult, SendLeases, other_prompt
 from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
+
+_OTHER_PROMPT = "the decode request's prompt is not the prefill's (one id used for two prompts?)"
 
 # How long a cancelled transfer id is remembered, for a D push request that arrives late.
 _CANCEL_TTL_S = 600.0
@@ -144,7 +146,7 @@ class Sender:
         """reqs: request id -> SendSpec (block_ids, key, cancelled)."""
         now = self._clock()
         for rid, spec in reqs.items():
-            self.leases.add(spec.key, rid, spec.block_ids, now, self._cfg.lease_s)
+            self.leases.add(spec.key, rid, spec.block_ids, now, self._cfg.lease_s, spec.prompt_digest)
             if any(wk[0] == spec.key for wk in (*self._layerwise, *self._writing)):
                 self.leases.hold(spec.key)
             if spec.cancelled:
@@ -217,8 +219,9 @@ class Sender:
                 self._connect(msg)
                 continue
             key = msg.producer_request_id
-            if not msg.block_ids:
-                self.leases.notice(key, now)  # D needs nothing: free now
+            if not msg.block_ids:  # D needs nothing: free now (unless it names another prompt)
+                if not self.leases.notice(key, now, prompt_digest=msg.prompt_digest):
+                    logger.warning("release of %s by %s ignored: %s", key, msg.consumer_engine_id, _OTHER_PROMPT)
             elif key in self._cancelled:
                 self._finish(_Write(msg, now), self._cancelled.pop(key)[0])
             else:
@@ -269,6 +272,9 @@ class Sender:
         key, req = wk[0], write.request
         own = self.leases.block_ids(key)
         assert own is not None
+        if (why := _other_prompt(req, self.leases.prompt_digest(key))) is not None:
+            self._finish(write, why)  # the lease stays: a consumer asking with the prefill's prompt is served
+            return
         dst = self._check(write, own)
         try:
             if isinstance(dst, str):
@@ -298,7 +304,7 @@ class Sender:
             for wk in [wk for wk in self._waiting if wk[0] == spec.key]:  # D not here yet: pushed whole later
                 write = self._waiting[wk]
                 dst = self._check(write, spec.block_ids)
-                if isinstance(dst, str):
+                if isinstance(dst, str) or _other_prompt(write.request, spec.prompt_digest) is not None:
                     continue  # the whole-request path reports it
                 del self._waiting[wk]
                 write.src_blocks, write.dst = spec.block_ids, dst
@@ -401,3 +407,12 @@ class Sender:
                 self._transport.release(handle)
         self._writing.clear()
         self._layerwise.clear()
+
+
+def _other_prompt(req: wire.PushRequest, digest: str) -> str | None:
+    """Why a push request is not for this prefill's KV (D's prompt is another), or None: the same
+    prompt, or a side that stated no digest. Under a transfer id a router reused for two prompts,
+    writing would have D answer its prompt from another prompt's KV."""
+    if not other_prompt(req.prompt_digest, digest):
+        return None
+    return f"decode request {req.consumer_request_id} under {req.producer_request_id!r}: {_OTHER_PROMPT}; not written"

@@ -33,6 +33,9 @@ class RecvSpec:
     num_tokens: int = 0
     local_first_token: int = 0
     remote_first_token: int = 0
+    # params.prompt_digest of the prompt tokens P's KV covers: a push request carries it, and P
+    # writes only if its own prompt has that digest ("" where none was computed: not checked).
+    prompt_digest: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +44,14 @@ class SendSpec:
 
     cancelled: the prefill did not finish normally (aborted) but layer-wise writes from these
     blocks may be in flight; hold them until those settle, then tell D it failed.
+    prompt_digest: params.prompt_digest of the prefill's prompt: P writes these blocks only into a
+    D request whose push request states the same ("" where P has no token ids: not checked).
     """
 
     block_ids: tuple[int, ...]
     key: str
     cancelled: bool = False
+    prompt_digest: str = ""
 
 
 @dataclasses.dataclass

@@ -28,6 +28,7 @@ class _Lease:
     claims: dict[str, float] = dataclasses.field(default_factory=dict)  # consumer (reader) -> claim deadline
     created: float = 0.0
     done: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # consumer engine -> its readers done
+    prompt_digest: str = ""  # params.prompt_digest of the prefill's prompt ("": unknown)
 
 
 class ClaimResult(enum.Enum):
@@ -68,7 +69,8 @@ class SendLeases:
         self._words = words
         self._epoch = epoch
         self._leases: dict[str, _Lease] = {}
-        self._early: dict[str, float] = {}  # key -> time the notice arrived
+        # key -> (time the notice arrived, the prompt digest it stated)
+        self._early: dict[str, tuple[float, str]] = {}
         self._gone: dict[str, str] = {}  # key -> why it ended (insertion order: oldest first, capped)
         self._gone_cap = gone_cap
         self._finished: set[str] = set()  # request ids
@@ -79,11 +81,13 @@ class SendLeases:
         self.claims_refused = 0
         self.hold_seconds: list[float] = []  # each ended lease's hold, until taken for metrics (bounded)
 
-    def add(self, key: str, request_id: str, block_ids: tuple[int, ...], now: float, lease_s: float) -> None:
+    def add(
+        self, key: str, request_id: str, block_ids: tuple[int, ...], now: float, lease_s: float, prompt_digest: str = ""
+    ) -> None:
         with self._lock:
             self._gone.pop(key, None)
-            if key in self._early:
-                del self._early[key]
+            early = self._early.pop(key, None)
+            if early is not None and not other_prompt(early[1], prompt_digest):
                 self._end(key, "released by the consumer before the lease began")
                 self._finished.add(request_id)
                 self._finished_keys.add(key)
@@ -92,7 +96,9 @@ class SendLeases:
             old = self._leases.get(key)
             if old is not None:  # the same key again: the old lease's blocks lose its word first
                 self._unmark(key, old)
-            lease = self._leases[key] = _Lease(request_id, tuple(block_ids), now + lease_s, created=now)
+            lease = self._leases[key] = _Lease(
+                request_id, tuple(block_ids), now + lease_s, created=now, prompt_digest=prompt_digest
+            )
             if self._words is not None:
                 self._words.mark(lease_word(self._epoch, key), lease.block_ids)
 
@@ -100,6 +106,12 @@ class SendLeases:
         with self._lock:
             lease = self._leases.get(key)
             return None if lease is None else lease.block_ids
+
+    def prompt_digest(self, key: str) -> str:
+        """The prompt digest of the live lease under key ("" when unknown or no such lease)."""
+        with self._lock:
+            lease = self._leases.get(key)
+            return "" if lease is None else lease.prompt_digest
 
     def hold(self, key: str) -> None:
         """Never expire while a write from these blocks is in flight (the write has its own deadline)."""
@@ -141,14 +153,26 @@ class SendLeases:
             lease.deadline = max(lease.deadline, now + lease_s)
             return True
 
-    def notice(self, key: str, now: float, consumer: str | None = None, engine: str | None = None, readers: int = 1) -> None:
+    def notice(
+        self,
+        key: str,
+        now: float,
+        consumer: str | None = None,
+        engine: str | None = None,
+        readers: int = 1,
+        prompt_digest: str = "",
+    ) -> bool:
         """D is done with the blocks held under key (consumer: the reader, when known: D's engine id,
         or one of its tensor-parallel ranks; engine: that D's engine id, whose `readers` ranks each
         read part of the blocks: the blocks stay until every one of them is done).
 
-        Another consumer's live claim keeps the blocks until that claim ends."""
+        Another consumer's live claim keeps the blocks until that claim ends. A notice stating the
+        digest of another prompt than the lease's is ignored (False): a request for another prompt
+        under the same key frees nothing."""
         with self._lock:
             lease = self._leases.get(key)
+            if lease is not None and other_prompt(prompt_digest, lease.prompt_digest):
+                return False
             if lease is not None:
                 if consumer is not None:
                     lease.claims.pop(consumer, None)
@@ -156,9 +180,9 @@ class SendLeases:
                         done = lease.done.setdefault(engine, set())
                         done.add(consumer)
                         if len(done) < readers:
-                            return
+                            return True
                 if any(until > now for until in lease.claims.values()):
-                    return
+                    return True
                 del self._leases[key]
                 self._held(lease, now)
                 self._end(key, "released after the consumer read it", lease)
@@ -166,7 +190,8 @@ class SendLeases:
                 self._finished_keys.add(key)
                 self.completed += 1
             elif key not in self._finished_keys and key not in self._gone:
-                _put_bounded(self._early, key, now, self._gone_cap)  # keys come from peers
+                _put_bounded(self._early, key, (now, prompt_digest), self._gone_cap)  # keys come from peers
+            return True
 
     def _held(self, lease: _Lease, now: float) -> None:
         if len(self.hold_seconds) < DURATIONS_CAP:
@@ -198,7 +223,7 @@ class SendLeases:
                 expired.add(lease.request_id)
                 self._end(key, "its lease expired before the consumer claimed it", lease)
             self.expired += len(expired)
-            for key in [key for key, t in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
+            for key in [key for key, (t, _digest) in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
                 del self._early[key]
             done, self._finished = self._finished, set()
             self._finished_keys.clear()
@@ -219,6 +244,11 @@ class SendLeases:
     def held_blocks(self) -> int:
         with self._lock:
             return sum(len(lease.block_ids) for lease in self._leases.values())
+
+
+def other_prompt(stated: str, held: str) -> bool:
+    """A consumer stated the digest of another prompt than the lease's (either unstated: not checked)."""
+    return bool(stated and held and stated != held)
 
 
 def _put_bounded(d: dict[str, Any], key: str, value: Any, cap: int) -> None:
@@ -330,6 +360,7 @@ class RecvTask:
     num_tokens: int = 0
     local_first_token: int = 0
     remote_first_token: int = 0
+    prompt_digest: str = ""  # of the prompt tokens P's KV covers (a push request states it)
 
     @property
     def request(self) -> str:

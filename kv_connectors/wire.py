@@ -214,6 +214,9 @@ class PushRequest(msgspec.Struct, frozen=True, tag="push"):
     first_token: int = 0
     num_tokens: int = 0
     consumer_first_token: int = 0
+    # params.prompt_digest of D's prompt tokens P's KV is to cover (all of them in the transfer-id
+    # flow): P refuses to write another prompt's KV, e.g. under a transfer id a router reused.
+    prompt_digest: str = ""
 
 
 class ClaimItem(msgspec.Struct, frozen=True, array_like=True):

@@ -440,6 +440,7 @@ class WorkerEngine:
                     num_tokens=spec.num_tokens,
                     local_first_token=spec.local_first_token,
                     remote_first_token=spec.remote_first_token,
+                    prompt_digest=spec.prompt_digest,
                 )
             )
 

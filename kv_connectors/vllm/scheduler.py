@@ -163,12 +163,12 @@ class SchedulerSide:
             if num_external_tokens > 0:
                 self._meta.reqs_failed[rid] = str(parsed.error)
             if rp is not None:
-                self._release(rid, rp)
+                self._release(request, rp)
             return
         assert rp is not None
         if num_external_tokens == 0:
             # Every block is a local prefix hit: nothing to read, but P must free its copy.
-            self._release(rid, rp)
+            self._release(request, rp)
             return
         local = unhashed_block_ids(blocks)
         covered = rp.covered_tokens(len(request.prompt_token_ids or ()))  # D computes any tokens after these
@@ -190,11 +190,19 @@ class SchedulerSide:
             num_tokens=num_external_tokens,
             local_first_token=first - first % self._block_size,
             remote_first_token=first - first % p_bs,
+            prompt_digest=_covered_digest(request, rp),
         )
 
-    def _release(self, rid: str, rp: RemotePrefill) -> None:
-        self._meta.reqs_to_recv[rid] = RecvSpec(
-            rp.peer_key, rp.remote_request_id, (), (), report=False, remote_tp_size=rp.remote_tp_size
+    def _release(self, request: Any, rp: RemotePrefill) -> None:
+        """P may free its blocks for this request (P ignores it if the digest is another prompt's)."""
+        self._meta.reqs_to_recv[request.request_id] = RecvSpec(
+            rp.peer_key,
+            rp.remote_request_id,
+            (),
+            (),
+            report=False,
+            remote_tp_size=rp.remote_tp_size,
+            prompt_digest=_covered_digest(request, rp),
         )
 
     # P side and both -----------------------------------------------------------------------
@@ -217,7 +225,8 @@ class SchedulerSide:
                 continue
             if new.num_computed_tokens + scheduled.get(new.req_id, 0) < len(new.prompt_token_ids):
                 continue  # chunked prefill: pushed whole once the request finishes
-            self._meta.reqs_layerwise[new.req_id] = SendSpec(tuple(new.block_ids[0]), key)
+            digest = prompt_digest(new.prompt_token_ids)
+            self._meta.reqs_layerwise[new.req_id] = SendSpec(tuple(new.block_ids[0]), key, prompt_digest=digest)
             self._layerwise.add(new.req_id)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -235,7 +244,7 @@ class SchedulerSide:
             parsed = self._check(request, params)
         if parsed is not None and parsed.remote is not None:
             # D request finished before it was scheduled (abort): P must not hold its blocks.
-            self._release(rid, parsed.remote)
+            self._release(request, parsed.remote)
             return False, None
         if not params.remote_decode:
             return False, None
@@ -249,7 +258,8 @@ class SchedulerSide:
             if transfer_id is not None:
                 self._meta.transfers_cancelled[key] = reason  # a D may be waiting: fail it now
             return False, None
-        self._meta.reqs_to_send[rid] = SendSpec(tuple(block_ids), key)
+        digest = prompt_digest(request.prompt_token_ids) if request.prompt_token_ids is not None else None
+        self._meta.reqs_to_send[rid] = SendSpec(tuple(block_ids), key, prompt_digest=digest or "")
         return True, producer_params(
             block_ids=block_ids,
             engine_id=self._cfg.engine_id,
@@ -260,5 +270,12 @@ class SchedulerSide:
             transfer_id=transfer_id,
             tp_size=self._tp_size,
             block_size=self._block_size,
-            prompt_token_ids=request.prompt_token_ids,
+            digest=digest,
         )
+
+
+def _covered_digest(request: Any, rp: RemotePrefill) -> str:
+    """prompt_digest of the request's prompt tokens P's KV covers: what a push request or release
+    states, so that P neither writes nor frees another prompt's KV for it."""
+    prompt = request.prompt_token_ids or ()
+    return prompt_digest(list(prompt[: rp.covered_tokens(len(prompt))]))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvc_testing.cluster import ProxyProcess, generate, output_ids, stats, transfer_id_params, wait_until
+from kvc_testing.cluster import ProxyProcess, generate, make_prompts, output_ids, stats, transfer_id_params, wait_until
 from tests.e2e.checks import (
     MAX_TOKENS,
     PROMPTS,
@@ -65,4 +65,25 @@ def test_decode_whose_prefill_never_comes_fails_within_deadline(reference, prefi
     p_resp, d_resp = transfer_id_generate(prefill_server, decode_server, prompt, MAX_TOKENS)
     assert p_resp.status_code == 200
     assert output_ids(d_resp) == output_ids(generate(reference.url, prompt, MAX_TOKENS))
+    wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks")
+
+
+def test_decode_prompt_other_than_the_prefills_is_refused_under_one_transfer_id(reference, prefill_server, decode_server):
+    """A router that pairs two prompts under one transfer id (an id reused, or two colliding): P
+    prefilled A, then D asks for the id with prompt B of the same length. P must not write A's KV
+    into B's request (D would answer 200 with tokens computed from A's KV): the push is refused and
+    D fails the request. The lease stays for the D that asks with A, which then matches colocated."""
+    (a,), (b,) = make_prompts([200], seed=71), make_prompts([200], seed=72)
+    p_params, d_params = transfer_id_params(prefill_server)
+    p0, d0 = stats(prefill_server), stats(decode_server)
+    assert generate(prefill_server.url, a, 1, kv_transfer_params=p_params).status_code == 200
+    r = generate(decode_server.url, b, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
+    if r.status_code == 200 and r.json()["choices"][0]["finish_reason"] != "error":
+        assert output_ids(r) == output_ids(generate(reference.url, b, MAX_TOKENS)), "D answered B from A's KV"
+    p1, d1 = stats(prefill_server), stats(decode_server)
+    assert p1.push_failures == p0.push_failures + 1 and p1.pushes == p0.pushes, "P wrote A's KV for B"
+    assert d1.recv_failures == d0.recv_failures + 1
+    r = generate(decode_server.url, a, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
+    assert output_ids(r) == output_ids(generate(reference.url, a, MAX_TOKENS))
+    assert stats(prefill_server).pushes == p0.pushes + 1, "D did not load A from P"
     wait_until(lambda: stats(prefill_server).held_blocks == 0, 10, "P to free the blocks")

@@ -58,6 +58,62 @@ def test_transfer_id_push_waits_for_ps_prefill_then_writes():
     assert c.p.finished_sending == {"p-req"} and c.p.engine.stats.pushes == 1
 
 
+def test_push_request_for_another_prompt_is_refused_and_the_lease_kept():
+    """Two prompts under one transfer id (a router reused it): P prefilled one, a D request for the
+    other asks for the id. P writes nothing into it (D would decode its prompt from the other's KV)
+    and fails it; the lease stays for the D request with the prefill's prompt, which loads."""
+    c = Cluster()
+    c.p.step(StepMetadata(reqs_to_send={"p-req": SendSpec(P_BLOCKS, "xfer-1", prompt_digest="prompt-a")}))
+    _recv(c.d, "d-b", RecvSpec(ANY_P, "xfer-1", D_BLOCKS, (), prompt_digest="prompt-b"))
+    c.run()
+    assert c.d.failed_recving == {"d-b"} and not _loaded(c)
+    assert (c.p.engine.stats.pushes, c.p.engine.stats.push_failures) == (0, 1) and not c.p.finished_sending
+    _recv(c.d, "d-a", RecvSpec(ANY_P, "xfer-1", D_BLOCKS, (), prompt_digest="prompt-a"))
+    c.run()
+    assert "d-a" in c.d.finished_recving and "d-a" not in c.d.failed_recving and _loaded(c)
+    assert c.p.finished_sending == {"p-req"} and c.p.engine.stats.pushes == 1
+
+
+def test_layerwise_push_is_not_started_for_another_prompt():
+    """D asked first with another prompt: no layer is written during P's forward pass, and the
+    push is refused once the prefill finishes."""
+    c = Cluster()
+    _recv(c.d, "d-b", RecvSpec(ANY_P, "xfer-1", D_BLOCKS, (), prompt_digest="prompt-b"))
+    c.run(2)
+    spec = SendSpec(P_BLOCKS, "xfer-1", prompt_digest="prompt-a")
+    c.p.step(StepMetadata(reqs_layerwise={"p-req": spec}), layers=("layer.0", "layer.1"))
+    assert c.p.transport.posted == 0
+    c.p.step(StepMetadata(reqs_to_send={"p-req": spec}))
+    c.run()
+    assert c.d.failed_recving == {"d-b"} and not _loaded(c) and c.p.engine.stats.layerwise_pushes == 0
+
+
+def test_a_release_for_another_prompt_frees_nothing():
+    """A D request for another prompt under the key (it failed, or hit D's cache) tells P to free the
+    blocks: P keeps them for the prefill's own D, before the lease began too. The prefill's own
+    prompt's release frees them."""
+    c = Cluster()
+    _recv(c.d, "d-b", RecvSpec(ANY_P, "xfer-1", (), (), report=False, prompt_digest="prompt-b"))
+    c.run(2)  # the release is at P before the prefill finished
+    c.p.step(StepMetadata(reqs_to_send={"p-req": SendSpec(P_BLOCKS, "xfer-1", prompt_digest="prompt-a")}))
+    _recv(c.d, "d-b2", RecvSpec(ANY_P, "xfer-1", (), (), report=False, prompt_digest="prompt-b"))
+    c.run()
+    assert not c.p.finished_sending and c.p.engine.stats.held_blocks == len(P_BLOCKS)
+    _recv(c.d, "d-a", RecvSpec(ANY_P, "xfer-1", (), (), report=False, prompt_digest="prompt-a"))
+    c.run()
+    assert c.p.finished_sending == {"p-req"} and c.p.engine.stats.held_blocks == 0
+
+
+def test_a_push_request_or_prefill_without_a_digest_is_written():
+    """A side that states no digest (a D of an earlier release, P without token ids) is not checked."""
+    for p_digest, d_digest in (("prompt-a", ""), ("", "prompt-a")):
+        c = Cluster()
+        c.p.step(StepMetadata(reqs_to_send={"p-req": SendSpec(P_BLOCKS, "xfer-1", prompt_digest=p_digest)}))
+        _recv(c.d, "d1", RecvSpec(ANY_P, "xfer-1", D_BLOCKS, (), prompt_digest=d_digest))
+        c.run()
+        assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c), (p_digest, d_digest)
+
+
 def test_aborted_prefill_fails_the_waiting_push_at_once():
     c = Cluster()
     _recv(c.d, "d1", RecvSpec(ANY_P, "xfer-1", D_BLOCKS, ()))

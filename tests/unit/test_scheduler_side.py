@@ -236,6 +236,51 @@ def test_d_refuses_p_kv_for_another_prompt():
     assert "remote_prompt_digest" in failed["a digest that is not one"]
 
 
+def test_the_prompt_digest_travels_to_both_workers_in_the_transfer_id_flow():
+    """P's send spec and D's receive spec carry a digest of the prompt (D's: of the tokens P's KV is
+    to cover), so that P can refuse to push a prompt's KV into a D request for another (an id
+    reused by a router); equal prompts give equal digests, others differ."""
+    prompt = list(range(64))
+    p = SchedulerSide(parse_config("P", "kv_producer", {}), BLOCK, 7001, clock=FakeClock())
+    r = SimpleNamespace(
+        request_id="p-req",
+        kv_transfer_params={"do_remote_decode": True, "transfer_id": "xfer-1"},
+        prompt_token_ids=prompt,
+        num_prompt_tokens=64,
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
+    p.get_num_new_matched_tokens(r, 0)
+    p.request_finished(r, [7, 8])
+    sent = p.build_connector_meta(OUTPUT).reqs_to_send["p-req"]
+    tid = {"do_remote_prefill": True, "transfer_id": "xfer-1", "remote_host": "127.0.0.1", "remote_port": 7001}
+    specs = {}
+    for rid, d_prompt in {"same": prompt, "other": list(range(1, 65))}.items():
+        d_side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock())
+        d = _d_request(rid, d_prompt, dict(tid))
+        assert d_side.get_num_new_matched_tokens(d, 0) == (64, True)
+        d_side.update_state_after_alloc(d, _blocks([5, 6]), 64)
+        specs[rid] = d_side.build_connector_meta(OUTPUT).reqs_to_recv[rid]
+    assert sent.key == "xfer-1" and sent.prompt_digest and specs["same"].remote_block_ids == ()
+    assert specs["same"].prompt_digest == sent.prompt_digest != specs["other"].prompt_digest
+
+    # First token from prefill (request-id flow): D's prompt is P's plus a token; D states the digest
+    # of the 64 tokens P's KV covers, P's own prompt's.
+    d_side = SchedulerSide(parse_config("D", "kv_consumer", {"mode": "push"}), BLOCK, 7002, clock=FakeClock())
+    d = _d_request("seeded", prompt + [99], _p_params(prompt, [7, 8]))
+    d_side.get_num_new_matched_tokens(d, 0)
+    d_side.update_state_after_alloc(d, _blocks([5, 6]), 64)
+    assert d_side.build_connector_meta(OUTPUT).reqs_to_recv["seeded"].prompt_digest == sent.prompt_digest
+
+    # Every token a local hit on D: only a release, which states the digest too (P ignores a
+    # release for another prompt).
+    d_side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock())
+    d = _d_request("cached", prompt, dict(tid))
+    assert d_side.get_num_new_matched_tokens(d, 64) == (0, False)
+    d_side.update_state_after_alloc(d, _blocks([]), 0)
+    release = d_side.build_connector_meta(OUTPUT).reqs_to_recv["cached"]
+    assert not release.report and release.prompt_digest == sent.prompt_digest
+
+
 def test_a_step_without_tokens_is_marked_idle_for_the_worker():
     side = SchedulerSide(parse_config("P", "kv_producer", {}), BLOCK, 7002)
     empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0)
