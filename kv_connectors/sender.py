@@ -110,6 +110,11 @@ class Sender:
     def on_push(self, request: wire.PushRequest) -> wire.PushAck:
         if len(request.block_ids) > self._layout.num_blocks:  # no request of ours holds that many
             return wire.PushAck(False, f"{len(request.block_ids)} blocks asked; this instance has {self._layout.num_blocks}")
+        key = request.producer_request_id
+        if request.block_ids and (why := self.leases.gone(key)) is not None:
+            # Refused here, not on the engine thread: a P with nothing else to do does not step
+            # (vLLM's engine waits for a request), and D would wait out its deadline.
+            return wire.PushAck(False, f"prefill request {key}'s blocks were already freed ({why})")
         self._inbox.put(request)
         return wire.PushAck(True)
 

@@ -9,7 +9,16 @@ import time
 
 import pytest
 
-from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kvc_testing.cluster import (
+    generate,
+    make_prompts,
+    output_ids,
+    pd_server,
+    prefill,
+    stats,
+    transfer_id_params,
+    wait_until,
+)
 from tests.e2e.checks import MAX_TOKENS
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -93,6 +102,24 @@ def test_stale_read_recomputes_with_policy_recompute(reference, short_lease_pref
         d1 = stats(recompute_decode)
         assert d1.recv_failures == d0.recv_failures + 1, "D recomputed nothing: it loaded the stale KV"
         assert d1.recv_transfers == d0.recv_transfers
+
+
+def test_late_push_request_to_an_idle_producer_fails_at_once(reference, short_lease_prefill, decode_server):
+    """The transfer-id flow, D late: P's lease under T expired and P has nothing left to do, so its
+    engine does not step. D's push request is refused in P's answer to it: the request fails well
+    before D's 10 s transfer deadline (it used to wait it out), and is never served from other KV."""
+    (prompt,) = make_prompts([230], seed=81)
+    p_params, d_params = transfer_id_params(short_lease_prefill)
+    expired = stats(short_lease_prefill).expired_leases
+    assert generate(short_lease_prefill.url, prompt, 1, kv_transfer_params=p_params).status_code == 200
+    wait_until(lambda: stats(short_lease_prefill).expired_leases > expired, 15, "P's lease to expire")
+    d0 = stats(decode_server)
+    t0 = time.monotonic()
+    r = generate(decode_server.url, prompt, MAX_TOKENS, kv_transfer_params=d_params, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert _failed(r), "D was served KV under a lease that had expired"
+    assert stats(decode_server).recv_failures == d0.recv_failures + 1
+    assert elapsed < 5.0, f"D waited {elapsed:.1f} s for a producer that had freed the blocks"
 
 
 @pytest.fixture(scope="module")

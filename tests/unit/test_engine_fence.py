@@ -214,6 +214,22 @@ def test_push_request_for_a_freed_lease_fails_at_once():
     assert c.d.failed_recving == {"d1"}, "D waited for a push of blocks P no longer holds"
 
 
+def test_push_request_for_a_freed_lease_fails_at_once_on_an_idle_producer():
+    """A P with nothing left to do does not step (vLLM's engine waits for a request): the push
+    request's answer itself refuses a lease that ended, instead of D waiting out its deadline."""
+    c = Cluster(d_extra={"mode": "push"})
+    c.prefill_done("r1", P_BLOCKS)
+    c.clock.advance(6)
+    c.p.step()  # expired; P now idle
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(3, nodes=(c.d,))
+    assert c.d.failed_recving == {"d1"}, "D waited for a producer that does not step"
+    # A release of that lease is not an error (nothing left to free).
+    Cluster.recv(c.d, "d2", "r1", (), (), report=False)
+    c.run(3, nodes=(c.d,))
+    assert c.d.engine.stats.recv_failures == 1
+
+
 def test_push_under_a_live_lease_writes_d_blocks():
     c = Cluster(d_extra={"mode": "push"})
     c.prefill_done("r1", P_BLOCKS)
