@@ -26,6 +26,8 @@ from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
 
+# P's push deadline ends this much (at most a tenth of the timeout) before D's could.
+_DEADLINE_MARGIN_S = 1.0
 _OTHER_PROMPT = "the decode request's prompt is not the prefill's (one id used for two prompts?)"
 
 # How long a cancelled transfer id is remembered, for a D push request that arrives late.
@@ -49,7 +51,9 @@ class _Write:
     error: str = ""
 
 
-WriteKey = tuple[str, str]  # (the lease key D names the blocks by, the consumer rank's agent)
+# (the lease key D names the blocks by, the consumer rank's agent, its request there): two D
+# requests for one lease (a router's duplicate) are two writes, each answered.
+WriteKey = tuple[str, str, str]
 
 
 def _reader(engine_id: str, rank: int) -> str:
@@ -90,8 +94,9 @@ class Sender:
         self._layout = layout
         self._hash = compat.hash()
         self._layer_regions = {name: tuple(ids) for name, ids in (layer_regions or {}).items()}
-        self.leases = SendLeases(words=words, epoch=epoch)
-        self._inbox: queue.SimpleQueue[wire.HandshakeRequest | wire.PushRequest] = queue.SimpleQueue()
+        self.leases = SendLeases(words=words, epoch=epoch, writing=self._writes_from)
+        # Push requests with the time they arrived (D's deadline runs from about then).
+        self._inbox: queue.SimpleQueue[wire.HandshakeRequest | tuple[wire.PushRequest, float]] = queue.SimpleQueue()
         self._consumers: dict[str, KVLayout] = {}  # agent name -> layout
         # Push requests by (lease key, consumer agent): the D ranks reading one lease each ask.
         self._waiting: dict[WriteKey, _Write] = {}  # whose lease is not known yet
@@ -115,7 +120,7 @@ class Sender:
             # Refused here, not on the engine thread: a P with nothing else to do does not step
             # (vLLM's engine waits for a request), and D would wait out its deadline.
             return wire.PushAck(False, f"prefill request {key}'s blocks were already freed ({why})")
-        self._inbox.put(request)
+        self._inbox.put((request, self._clock()))
         return wire.PushAck(True)
 
     def on_claim(self, request: wire.ClaimRequest) -> wire.ClaimReply:
@@ -152,10 +157,12 @@ class Sender:
         now = self._clock()
         for rid, spec in reqs.items():
             self.leases.add(spec.key, rid, spec.block_ids, now, self._cfg.lease_s, spec.prompt_digest)
-            if any(wk[0] == spec.key for wk in (*self._layerwise, *self._writing)):
-                self.leases.hold(spec.key)
             if spec.cancelled:
                 self.cancel(spec.key, f"prefill request {rid} was aborted")
+
+    def _writes_from(self, key: str) -> bool:
+        """A write from the blocks held under key is in flight (or follows this step's forward pass)."""
+        return any(wk[0] == key for wk in self._writing) or any(wk[0] == key for wk in self._layerwise)
 
     def cancel(self, key: str, reason: str) -> None:
         """P's request ended without KV for D: fail D's push now (after writes in flight settle)."""
@@ -204,15 +211,24 @@ class Sender:
 
     def _advance_waiting(self, wk: WriteKey, write: _Write, now: float) -> None:
         key = wk[0]
-        if self.leases.block_ids(key) is not None:
+        if now > write.deadline:  # first: D gives these blocks up about now, a write could land after
+            del self._waiting[wk]
+            known = self.leases.block_ids(key) is not None
+            late = "was not ready within the push's deadline" if known else "is unknown here or its blocks were already freed"
+            self._finish(write, f"prefill request {key} {late}")
+        elif self.leases.block_ids(key) is not None:
             del self._waiting[wk]
             self._post(wk, write)
         elif (why := self.leases.gone(key)) is not None:
             del self._waiting[wk]  # its lease already ended: fail D now, not at its deadline
             self._finish(write, f"prefill request {key}'s blocks were already freed ({why})")
-        elif now > write.deadline:
-            del self._waiting[wk]
-            self._finish(write, f"prefill request {key} is unknown here or its blocks were already freed")
+
+    def _deadline(self, received_at: float) -> float:
+        """When a push must have been written, from when its request arrived: D's own wait (its
+        transfer timeout) began before that and ends after its acknowledgement, so P stops (a
+        margin) before D gives its blocks back to vLLM, never writing into blocks reused since."""
+        timeout = self._cfg.transfer_timeout_s
+        return received_at + timeout - min(_DEADLINE_MARGIN_S, timeout / 10)
 
     def _drain_inbox(self, now: float) -> None:
         while True:
@@ -222,15 +238,21 @@ class Sender:
                 return
             if isinstance(msg, wire.HandshakeRequest):
                 self._connect(msg)
-                continue
-            key = msg.producer_request_id
-            if not msg.block_ids:  # D needs nothing: free now (unless it names another prompt)
-                if not self.leases.notice(key, now, prompt_digest=msg.prompt_digest):
-                    logger.warning("release of %s by %s ignored: %s", key, msg.consumer_engine_id, _OTHER_PROMPT)
-            elif key in self._cancelled:
-                self._finish(_Write(msg, now), self._cancelled.pop(key)[0])
             else:
-                self._waiting[(key, msg.consumer_agent)] = _Write(msg, now + self._cfg.transfer_timeout_s)
+                self._take_push(*msg, now)
+
+    def _take_push(self, req: wire.PushRequest, received_at: float, now: float) -> None:
+        key = req.producer_request_id
+        if not req.block_ids:  # D needs nothing: free now (unless it names another prompt)
+            if not self.leases.notice(key, now, prompt_digest=req.prompt_digest):
+                logger.warning("release of %s by %s ignored: %s", key, req.consumer_engine_id, _OTHER_PROMPT)
+        elif key in self._cancelled:
+            self._finish(_Write(req, now), self._cancelled.pop(key)[0])
+        else:
+            wk = (key, req.consumer_agent, req.consumer_request_id)
+            if (dup := self._waiting.pop(wk, None)) is not None:
+                self._finish(dup, "the consumer asked again for the same request")
+            self._waiting[wk] = _Write(req, self._deadline(received_at))
 
     def _connect(self, request: wire.HandshakeRequest) -> None:
         assert request.layout is not None
@@ -292,9 +314,7 @@ class Sender:
             self._finish(write, f"write failed: {e}")
             self._reader_done(key, req.consumer_engine_id, req.consumer_rank, self._clock())
             return
-        self.leases.hold(key)
-        write.deadline = self._clock() + self._cfg.transfer_timeout_s
-        self._writing[wk] = write
+        self._writing[wk] = write  # its blocks are held until it settles (SendLeases: writing)
 
     # layer-wise push (transfer-id flow) -----------------------------------------------------------
     def begin_layerwise(self, reqs: Mapping[str, Any]) -> None:
@@ -309,12 +329,11 @@ class Sender:
             for wk in [wk for wk in self._waiting if wk[0] == spec.key]:  # D not here yet: pushed whole later
                 write = self._waiting[wk]
                 dst = self._check(write, spec.block_ids)
-                if isinstance(dst, str) or _other_prompt(write.request, spec.prompt_digest) is not None:
+                if isinstance(dst, str) or _other_prompt(write.request, spec.prompt_digest) is not None or now > write.deadline:
                     continue  # the whole-request path reports it
                 del self._waiting[wk]
                 write.src_blocks, write.dst = spec.block_ids, dst
                 write.regions_left = set(range(len(self._layout.regions)))
-                write.deadline = now + self._cfg.transfer_timeout_s
                 self._layerwise[wk] = write
 
     def on_layer_saved(self, layer_name: str) -> None:
@@ -331,10 +350,7 @@ class Sender:
         for wk in list(self._layerwise):
             write = self._layerwise.pop(wk)
             self._post_regions(write, tuple(write.regions_left))
-            write.deadline = self._clock() + self._cfg.transfer_timeout_s
             self._writing[wk] = write
-            if self.leases.block_ids(wk[0]) is not None:
-                self.leases.hold(wk[0])
 
     def _post_regions(self, write: _Write, regions: Sequence[int]) -> None:
         """Post a write of these regions; a failure marks the write, which end_layerwise hands to _poll."""

@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kv_connectors.counters import DURATIONS_CAP
@@ -29,6 +30,9 @@ class _Lease:
     created: float = 0.0
     done: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # consumer engine -> its readers done
     prompt_digest: str = ""  # params.prompt_digest of the prefill's prompt ("": unknown)
+    # A consumer is done with it but writes from its blocks are still in flight: it ends (and its
+    # request is reported finished) once they settle.
+    release_pending: bool = False
 
 
 class ClaimResult(enum.Enum):
@@ -62,13 +66,28 @@ class SendLeases:
     With `words` (kv_connectors.fence), a live lease's blocks carry its lease word, cleared as the
     lease ends (before its request is reported finished): a consumer that reads the words after its
     data read needs no claim.
+
+    `writing(key)` (the sender's): whether a push write from the blocks held under key is in flight.
+    While one is, the lease neither ends on a notice (any consumer's: a release, another reader,
+    an early notice) nor expires: its blocks are freed only once every write from them settled
+    (the sender notices the lease again as each one ends).
     """
 
-    def __init__(self, gone_cap: int = _GONE_CAP, words: LeaseWords | None = None, epoch: str = "") -> None:
+    def __init__(
+        self,
+        gone_cap: int = _GONE_CAP,
+        words: LeaseWords | None = None,
+        epoch: str = "",
+        writing: Callable[[str], bool] = lambda key: False,
+    ) -> None:
         self._lock = threading.Lock()
         self._words = words
         self._epoch = epoch
+        self._writing = writing
         self._leases: dict[str, _Lease] = {}
+        # Leases another lease under the same key replaced (a router's second prefill under one
+        # transfer id), with their key: freed once no write or claim can still use their blocks.
+        self._replaced: list[tuple[str, _Lease]] = []
         # key -> (time the notice arrived, the prompt digest it stated)
         self._early: dict[str, tuple[float, str]] = {}
         self._gone: dict[str, str] = {}  # key -> why it ended (insertion order: oldest first, capped)
@@ -87,7 +106,8 @@ class SendLeases:
         with self._lock:
             self._gone.pop(key, None)
             early = self._early.pop(key, None)
-            if early is not None and not other_prompt(early[1], prompt_digest):
+            released = early is not None and not other_prompt(early[1], prompt_digest)
+            if released and not self._writing(key):
                 self._end(key, "released by the consumer before the lease began")
                 self._finished.add(request_id)
                 self._finished_keys.add(key)
@@ -96,10 +116,12 @@ class SendLeases:
             old = self._leases.get(key)
             if old is not None:  # the same key again: the old lease's blocks lose its word first
                 self._unmark(key, old)
+                self._replaced.append((key, old))
             lease = self._leases[key] = _Lease(
                 request_id, tuple(block_ids), now + lease_s, created=now, prompt_digest=prompt_digest
             )
-            if self._words is not None:
+            lease.release_pending = released  # a layer-wise write from its blocks is still in flight
+            if self._words is not None and not released:
                 self._words.mark(lease_word(self._epoch, key), lease.block_ids)
 
     def block_ids(self, key: str) -> tuple[int, ...] | None:
@@ -112,11 +134,6 @@ class SendLeases:
         with self._lock:
             lease = self._leases.get(key)
             return "" if lease is None else lease.prompt_digest
-
-    def hold(self, key: str) -> None:
-        """Never expire while a write from these blocks is in flight (the write has its own deadline)."""
-        with self._lock:
-            self._leases[key].deadline = float("inf")
 
     def claim(self, key: str, consumer: str, block_ids: tuple[int, ...], now: float, hold_s: float) -> Claim:
         """A consumer reads block_ids of the lease under key: hold them for it until now + hold_s."""
@@ -176,12 +193,15 @@ class SendLeases:
             if lease is not None:
                 if consumer is not None:
                     lease.claims.pop(consumer, None)
-                    if engine is not None and readers > 1:
+                    if engine is not None and readers > 1 and not lease.release_pending:
                         done = lease.done.setdefault(engine, set())
                         done.add(consumer)
                         if len(done) < readers:
                             return True
                 if any(until > now for until in lease.claims.values()):
+                    return True
+                if self._writing(key):  # a write still reads the blocks: ended when it settles
+                    lease.release_pending = True
                     return True
                 del self._leases[key]
                 self._held(lease, now)
@@ -215,7 +235,7 @@ class SendLeases:
     def take_finished(self, now: float) -> tuple[set[str], set[str]]:
         """(completed, expired) request ids since the last call; both are to be freed."""
         with self._lock:
-            expired_keys = [k for k, lease in self._leases.items() if lease.deadline <= now]
+            expired_keys = [k for k, lease in self._leases.items() if lease.deadline <= now and not self._writing(k)]
             expired = set()
             for key in expired_keys:
                 lease = self._leases.pop(key)
@@ -226,6 +246,10 @@ class SendLeases:
             for key in [key for key, (t, _digest) in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
                 del self._early[key]
             done, self._finished = self._finished, set()
+            if self._replaced:
+                free = [(k, old) for k, old in self._replaced if _claims_end(old) <= now and not self._writing(k)]
+                self._replaced = [r for r in self._replaced if r not in free]
+                done |= {old.request_id for _key, old in free}
             self._finished_keys.clear()
             return done, expired
 
@@ -233,7 +257,7 @@ class SendLeases:
     def active(self) -> bool:
         """Leases held, or ended ones not reported yet."""
         with self._lock:
-            return bool(self._leases or self._finished)
+            return bool(self._leases or self._finished or self._replaced)
 
     @property
     def held_requests(self) -> int:
@@ -243,7 +267,13 @@ class SendLeases:
     @property
     def held_blocks(self) -> int:
         with self._lock:
-            return sum(len(lease.block_ids) for lease in self._leases.values())
+            held = [*self._leases.values(), *(old for _key, old in self._replaced)]
+            return sum(len(lease.block_ids) for lease in held)
+
+
+def _claims_end(lease: _Lease) -> float:
+    """When the last of the lease's claims lapses (0: none)."""
+    return max(lease.claims.values(), default=0.0)
 
 
 def other_prompt(stated: str, held: str) -> bool:
