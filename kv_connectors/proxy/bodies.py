@@ -112,8 +112,9 @@ def prefix_key(route: str, body: dict[str, Any], chunk_tokens: int) -> PromptKey
 
 def wants_token_forwarding(route: str, body: dict[str, Any]) -> bool:
     """Whether D can be given P's prompt token ids instead of the text (vLLM 0.32: completions prompt as ids,
-    chat `kv_transfer_params.prompt_token_ids`). Not with echo: D must render the client's own prompt."""
-    if body.get("echo"):
+    chat `kv_transfer_params.prompt_token_ids`). Not with echo (D must render the client's own prompt) nor
+    a completions suffix (vLLM takes it with a text prompt only)."""
+    if body.get("echo") or body.get("suffix"):
         return False
     return route == CHAT or isinstance(body.get("prompt"), str)
 

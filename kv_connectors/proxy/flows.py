@@ -70,6 +70,13 @@ class Seeded:
     p: Backend
 
 
+async def _discard(task: asyncio.Task[Any]) -> None:
+    """Cancel a task nobody will take the result of; close the stream it may already have opened."""
+    await cancel_task(task)
+    if not task.cancelled() and task.exception() is None and isinstance(answer := task.result(), OpenStream):
+        await answer.aclose(False)
+
+
 async def cancel_task(task: asyncio.Task[Any]) -> None:
     """Cancel and wait for `task`; its own failure is consumed (logged at debug level)."""
     if not task.done():
@@ -312,9 +319,11 @@ class PairRunner:
                 d_task = asyncio.create_task(self._decode(a.sub, d, d_body))
                 try:
                     await _until_decoded_or_prefill_failed(d_task, p_task)
-                finally:
-                    if not d_task.done():  # P failed first, or we are cancelled: abort D
-                        await cancel_task(d_task)
+                except BaseException:  # cancelled (the client left, a sibling prompt failed): D too
+                    await _discard(d_task)
+                    raise
+                if not d_task.done():  # P failed first: abort D
+                    await cancel_task(d_task)
                 if not d_task.cancelled() and d_task.exception() is None:
                     handed_over = True
                     self._background.append(p_task)

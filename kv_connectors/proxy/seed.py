@@ -42,7 +42,15 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "continue_final_message": (None, False),
+    # D would truncate prompt + first token again (dropping context or the token itself).
+    "truncate_prompt_tokens": (None,),
+    # D's random generator starts afresh (token 2 drawn as P drew token 1); bad words are matched against
+    # output tokens only, and P's token is in D's prompt.
+    "seed": (None,),
+    "bad_words": (None, []),
 }
+# Completions' max_tokens when the request gives none (or null), as vLLM 0.32 reads it.
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def request_seedable(route: str, body: dict[str, Any]) -> bool:
@@ -56,11 +64,41 @@ def request_seedable(route: str, body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         return False
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None and limit < 2:
+    limit = output_limit(route, body)
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 2):
         return False  # P's token is the whole answer: the usual flow also frees P's blocks
+    if route == CHAT:
+        return not _has_non_text_content(body.get("messages"))  # vLLM renders those, ignoring forwarded ids
     prompt = body.get("prompt")
-    return route == CHAT or isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+    return isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+
+
+def output_limit(route: str, body: dict[str, Any]) -> Any:
+    """The most tokens the request may generate, as vLLM 0.32 reads it (None: up to the context length):
+    completions' max_tokens (16 when absent or null; max_completion_tokens is not a completions field),
+    chat's max_completion_tokens unless null, else its max_tokens."""
+    if route == COMPLETIONS:
+        limit = body.get("max_tokens")
+        return _COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else limit
+    limit = body.get("max_completion_tokens")
+    return body.get("max_tokens") if limit is None else limit
+
+
+def _has_non_text_content(messages: Any) -> bool:
+    """A message's content has a part other than plain text (an image, audio, ...)."""
+    if not isinstance(messages, list):
+        return True
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            return True
+        if any(
+            not isinstance(part, dict) or part.get("type", "text") != "text" or set(part) - {"type", "text"} for part in content
+        ):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -154,6 +192,8 @@ def continue_body(route: str, body: dict[str, Any], kv_params: dict[str, Any] | 
     kv_transfer_params (None: D computes the prompt itself, e.g. a retry after P's KV was lost)."""
     d_body = decode_only_body(body)
     ids = [*first.prompt_token_ids, first.token_id]
+    if route == COMPLETIONS:
+        d_body["max_tokens"] = output_limit(route, body)  # stated: D's default would be another 16
     for name in ("max_tokens", "max_completion_tokens"):
         _minus_one(d_body, name, 1)
     _minus_one(d_body, "min_tokens", 0)

@@ -37,6 +37,8 @@ def _is_preamble_choice(choice: Any) -> bool:
     """A chat choice that only names the role (vLLM's first chunk), generating nothing."""
     if not isinstance(choice, dict) or choice.get("finish_reason") is not None or choice.get("logprobs"):
         return False
+    if choice.get("token_ids"):  # a token whose text vLLM holds back (part of a character) is output
+        return False
     delta = choice.get("delta")
     if not isinstance(delta, dict) or "text" in choice:
         return False

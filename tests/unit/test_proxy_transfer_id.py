@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
+import kv_connectors.proxy.flows as flows
 from kv_connectors.proxy.config import Flow
 from tests.unit.proxy_fakes import D1, D2, P1, P2, Call, Fleet, asgi_stream, config, metric_value, running
 
@@ -183,3 +184,26 @@ async def test_explicit_params_flow_ignores_side_channels() -> None:
         assert (await client.post("/v1/completions", json={"prompt": [1]})).status_code == 200
     [p_body] = fleet.bodies("prefill")
     assert "transfer_id" not in p_body["kv_transfer_params"] and fleet.urls() == [P1, D1]
+
+
+async def test_cancelled_as_d_answers_closes_ds_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client leaves (or a sibling prompt fails) just as D's answer opened: Task.cancel() then
+    delivers CancelledError at the await whose future is already done. D's stream is closed and its
+    outstanding count goes back to 0 (it stayed up for good: routing skew, a drain never done)."""
+    original = flows._until_decoded_or_prefill_failed
+
+    async def cancelled_as_d_answers(d_task: asyncio.Task, p_task: asyncio.Task) -> None:
+        await original(d_task, p_task)
+        assert d_task.done() and d_task.exception() is None  # D's stream is open: an OpenStream holding a BackendCall
+        raise asyncio.CancelledError  # what Task.cancel() delivers at this await when it lands now
+
+    monkeypatch.setattr(flows, "_until_decoded_or_prefill_failed", cancelled_as_d_answers)
+    fleet = Fleet()
+    async with running(tid_config(), fleet) as (app, client):
+        resp = await client.post("/v1/completions", json={"prompt": [1], "stream": True})
+        await asyncio.sleep(0.05)
+        d = app.state.proxy.decode.backends[0]
+        outstanding = d.outstanding
+    assert resp.status_code == 499
+    assert fleet[D1].streams and fleet[D1].streams[0].closed, "D's response never closed: D keeps generating"
+    assert outstanding == 0, f"D's outstanding stuck at {outstanding} (least_outstanding/prefix skew; /admin/drain never drains)"
