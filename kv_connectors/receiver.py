@@ -13,11 +13,13 @@ from kv_connectors.counters import DURATIONS_CAP, Phase
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.fence import WORD_BYTES, LeaseWords, lease_word, words_layout
 from kv_connectors.layout import KVLayout
+from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.state import ClaimBatch, ClaimResult, FailReason, RecvKind, RecvPhase, RecvTask, TaskKey
 from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
+_limited = RateLimitedLog(logger)
 
 PeerKey = tuple[str, str, int]  # (engine id or "" for any, side-channel host, port)
 _CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its next step): ask again
@@ -179,6 +181,9 @@ class Receiver:
         task = self._tasks.get((RecvKind.LOAD, request_id))
         if task is None or task.phase not in (RecvPhase.REQUESTED, RecvPhase.TRANSFER):
             return False
+        if task.fenced:  # a read of ours: only its own completion (and fence) counts it, never a message
+            _limited.warning("notice", "ignored a push notice for request %s, which reads its blocks", request_id)
+            return True
         if task.ack is not None:
             task.ack.cancel()  # the ack may still be in flight; the notice settles it
             task.ack = None
@@ -271,6 +276,10 @@ class Receiver:
         task.ack = None
         try:
             ack = future.result()
+            peer = self._peers.get(task.peer_key)
+            if isinstance(ack, wire.PushAck) and ack.epoch and peer is not None and peer.epoch and ack.epoch != peer.epoch:
+                peer.error = "the producer restarted"  # the next request hand-shakes with the new process
+                raise KVConnectorError("the producer restarted since the handshake (it cannot reach us until we hand-shake again)")
             if not isinstance(ack, wire.PushAck) or not ack.accepted:
                 raise KVConnectorError(f"producer refused: {getattr(ack, 'message', ack)!r}")
         except Exception as e:

@@ -49,6 +49,7 @@ class _Write:
     regions_left: set[int] = dataclasses.field(default_factory=set)
     layers_in_forward: int = 0  # layers written from save_kv_layer, during the forward pass
     error: str = ""
+    consumer: KVLayout | None = None  # D's layout when it asked: the process whose blocks these are
 
 
 # (the lease key D names the blocks by, the consumer rank's agent, its request there): two D
@@ -97,7 +98,10 @@ class Sender:
         self.leases = SendLeases(words=words, epoch=epoch, writing=self._writes_from)
         # Push requests with the time they arrived (D's deadline runs from about then).
         self._inbox: queue.SimpleQueue[wire.HandshakeRequest | tuple[wire.PushRequest, float]] = queue.SimpleQueue()
-        self._consumers: dict[str, KVLayout] = {}  # agent name -> layout
+        # Agent name -> layout and transport metadata: a new layout object per D process (a D
+        # restarted under its engine id hand-shakes with other metadata).
+        self._consumers: dict[str, KVLayout] = {}
+        self._consumer_md: dict[str, bytes] = {}
         # Push requests by (lease key, consumer agent): the D ranks reading one lease each ask.
         self._waiting: dict[WriteKey, _Write] = {}  # whose lease is not known yet
         self._writing: dict[WriteKey, _Write] = {}
@@ -113,15 +117,18 @@ class Sender:
             self._inbox.put(request)
 
     def on_push(self, request: wire.PushRequest) -> wire.PushAck:
+        """Queue a push request for the engine thread; the answer names this process (a D whose
+        handshake was with an earlier one hand-shakes again: this one cannot reach it)."""
         if len(request.block_ids) > self._layout.num_blocks:  # no request of ours holds that many
-            return wire.PushAck(False, f"{len(request.block_ids)} blocks asked; this instance has {self._layout.num_blocks}")
+            too_many = f"{len(request.block_ids)} blocks asked; this instance has {self._layout.num_blocks}"
+            return wire.PushAck(False, too_many, self.epoch)
         key = request.producer_request_id
         if request.block_ids and (why := self.leases.gone(key)) is not None:
             # Refused here, not on the engine thread: a P with nothing else to do does not step
             # (vLLM's engine waits for a request), and D would wait out its deadline.
-            return wire.PushAck(False, f"prefill request {key}'s blocks were already freed ({why})")
+            return wire.PushAck(False, f"prefill request {key}'s blocks were already freed ({why})", self.epoch)
         self._inbox.put((request, self._clock()))
-        return wire.PushAck(True)
+        return wire.PushAck(True, epoch=self.epoch)
 
     def on_claim(self, request: wire.ClaimRequest) -> wire.ClaimReply:
         """The fence (side-channel thread): hold each live lease a consumer is reading for it;
@@ -175,9 +182,8 @@ class Sender:
             write = self._writing[wk] = self._layerwise.pop(wk)
             write.error = reason  # its handles settle in _poll, which then tells D
             write.regions_left.clear()
-        if not waiting and not layered and not any(wk[0] == key for wk in self._writing):
-            self._cancelled[key] = (reason, now)
-            self.leases.notice(key, now)
+        self._cancelled[key] = (reason, now)  # for every push request still to come (each D rank's)
+        self.leases.notice(key, now)  # the lease, if any, ends once writes from its blocks settle
 
     def busy(self) -> bool:
         """Anything to advance: leases, push requests queued or waiting, writes."""
@@ -247,20 +253,24 @@ class Sender:
             if not self.leases.notice(key, now, prompt_digest=req.prompt_digest):
                 logger.warning("release of %s by %s ignored: %s", key, req.consumer_engine_id, _OTHER_PROMPT)
         elif key in self._cancelled:
-            self._finish(_Write(req, now), self._cancelled.pop(key)[0])
+            self._finish(_Write(req, now), self._cancelled[key][0])
         else:
             wk = (key, req.consumer_agent, req.consumer_request_id)
             if (dup := self._waiting.pop(wk, None)) is not None:
                 self._finish(dup, "the consumer asked again for the same request")
-            self._waiting[wk] = _Write(req, self._deadline(received_at))
+            self._waiting[wk] = _Write(req, self._deadline(received_at), consumer=self._consumers.get(req.consumer_agent))
 
     def _connect(self, request: wire.HandshakeRequest) -> None:
         assert request.layout is not None
         try:
             self._transport.connect(request.agent_name, request.agent_metadata)
-            self._consumers[request.agent_name] = request.layout.to_layout()
+            if self._consumer_md.get(request.agent_name) != request.agent_metadata:  # a new D process
+                self._consumers[request.agent_name] = request.layout.to_layout()
+                self._consumer_md[request.agent_name] = request.agent_metadata
             if request.tp_size != self._tp_size:  # the handshake checked that this can be mapped
                 self._readers[request.engine_id] = reader_count(self._total_heads, self._tp_size, request.tp_size, self._rank)
+            else:  # restarted at our TP size under the same engine id
+                self._readers.pop(request.engine_id, None)
             logger.info("consumer %s rank %d of %d connected", request.engine_id, request.rank, request.tp_size)
         except KVConnectorError as e:
             logger.error("cannot connect consumer %s: %s", request.engine_id, e)
@@ -271,6 +281,8 @@ class Sender:
         dst = self._consumers.get(req.consumer_agent)
         if dst is None:
             return f"consumer {req.consumer_agent} did not hand-shake for push"
+        if write.consumer is not None and dst is not write.consumer:
+            return f"consumer {req.consumer_agent} restarted since it asked: its blocks belong to another process now"
         if dst.block_size == self._layout.block_size and len(req.block_ids) > len(own):
             return f"asked for {len(req.block_ids)} blocks, request {req.producer_request_id} holds {len(own)}"
         return dst

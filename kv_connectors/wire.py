@@ -256,6 +256,7 @@ class RenewReply(msgspec.Struct, frozen=True, tag="renew_reply"):
 class PushAck(msgspec.Struct, frozen=True, tag="push_ack"):
     accepted: bool
     message: str = ""
+    epoch: str = ""  # the answering producer process: D hand-shakes again with a new one
 
 
 class TransferDone(msgspec.Struct, frozen=True, tag="done"):
