@@ -14,7 +14,7 @@ import pytest
 
 from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
 from kvc_testing.procs import free_port
-from tests.e2e.checks import MAX_TOKENS
+from tests.e2e.checks import MAX_TOKENS, transfer_id_generate
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 FROZEN_REQUESTS = 3  # each would hold a shared side-channel thread for D's 5 s handshake deadline
@@ -108,4 +108,32 @@ def test_restarted_producer_on_the_same_address_is_a_new_peer(tiny_model, refere
         else:  # a clean failure is allowed once; the next request must work
             params = prefill(p.url, second)
             assert output_ids(generate(decode_server.url, second, MAX_TOKENS, kv_transfer_params=params)) == expected
+        wait_until(lambda: stats(p).held_blocks == 0, 15, "the restarted P to free its blocks")
+
+
+def _served(response) -> bool:
+    return response.status_code == 200 and response.json()["choices"][0]["finish_reason"] != "error"
+
+
+def test_push_loads_recover_after_the_producer_restarts_on_the_same_address(tiny_model, reference, decode_server):
+    """The transfer-id flow names no engine id, so D's cached handshake with P outlives P's restart.
+    The new P cannot reach D (it never connected to it): its push answer's epoch tells D, which fails
+    that load at once and hand-shakes again. Every later push load to it used to wait out D's
+    transfer deadline (10 s here) and fail, until D itself restarted."""
+    http_port, side_port = free_port(), free_port()
+    warm, prompt = make_prompts([150], seed=306)[0], make_prompts([160], seed=307)[0]
+    expected = output_ids(generate(reference.url, prompt, MAX_TOKENS))
+    with _restartable_prefill(tiny_model, http_port, side_port) as p:
+        p_resp, d_resp = transfer_id_generate(p, decode_server, warm, MAX_TOKENS)
+        assert p_resp.status_code == 200 and _served(d_resp)  # D hand-shook with this P
+    with _restartable_prefill(tiny_model, http_port, side_port) as p:
+        t0 = time.monotonic()
+        for _attempt in range(2):  # one clean failure is allowed: D learns of the restart from it
+            p_resp, d_resp = transfer_id_generate(p, decode_server, prompt, MAX_TOKENS)
+            if _served(d_resp):
+                break
+        elapsed = time.monotonic() - t0
+        assert _served(d_resp), "push loads to the restarted P still fail"
+        assert output_ids(d_resp) == expected
+        assert elapsed < 8.0, f"{elapsed:.1f} s: D waited for its transfer deadline"
         wait_until(lambda: stats(p).held_blocks == 0, 15, "the restarted P to free its blocks")
