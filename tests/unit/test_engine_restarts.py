@@ -114,3 +114,33 @@ def test_a_push_notice_does_not_complete_a_read():
     c.run(3)
     assert "d1" in c.d.finished_recving and "d1" not in c.d.failed_recving
     assert all(np.array_equal(c.d.block(d), c.p.block(p)) for p, d in zip(P_BLOCKS, D_BLOCKS))
+
+
+STAGED = {"staging": "on", "staging_pool_kib": 2, "staging_chunk_kib": 1}
+
+
+def _staged_loaded(c: Cluster) -> bool:
+    return all(np.array_equal(c.d.block(d), c.p.block(p)) for p, d in zip(P_BLOCKS, D_BLOCKS))
+
+
+def test_staged_loads_recover_once_a_transient_disconnect_is_over():
+    """One PeerDisconnectedError (a cut link) marked P gone for good at the staging layer: D hand-shook
+    again with the same P process, but every later load failed."""
+    c = Cluster(p_extra=STAGED, d_extra=STAGED)
+    c.prefill_done("r0", P_BLOCKS)
+    Cluster.recv(c.d, "d0", "r0", D_BLOCKS, P_BLOCKS)
+    c.run(30)
+    assert c.d.finished_recving == {"d0"} and not c.d.failed_recving
+    c.fabric.dead.add("P-rank0")  # the link to P drops for a moment
+    c.prefill_done("r1", P_BLOCKS)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(30)
+    assert "d1" in c.d.failed_recving
+    c.fabric.dead.discard("P-rank0")  # back: same P process, same metadata
+    c.d.kv[:] = -1.0
+    for i in range(2, 5):
+        c.prefill_done(f"r{i}", P_BLOCKS)
+        Cluster.recv(c.d, f"d{i}", f"r{i}", D_BLOCKS, P_BLOCKS)
+        c.run(30)
+    assert not ({"d2", "d3", "d4"} & c.d.failed_recving), f"loads after the link came back failed: {sorted(c.d.failed_recving)}"
+    assert _staged_loaded(c)

@@ -25,7 +25,7 @@ class Peer:
     metadata: bytes
     last_heard: float
     probe: Any = None  # inner handle of the liveness probe in flight
-    dead: TransportError | None = None  # PeerDisconnectedError seen: gone until connect() with new metadata
+    dead: TransportError | None = None  # PeerDisconnectedError seen: gone until connect() again
 
 
 class PeerTable:
@@ -35,7 +35,7 @@ class PeerTable:
     peer (`report`), `on_gone` listeners hear that a peer is gone (`mark_dead`, `forget`). A peer we
     wait on (`probe`'s busy names) that has been silent for probe_interval_s is probed (a 1-byte
     inner READ of its pool); a probe that fails is reported, and a PeerDisconnectedError marks the
-    peer dead: it stays gone until connect() brings new metadata (a restarted peer)."""
+    peer dead: it stays gone until connect() again (a new handshake, or a restarted peer)."""
 
     def __init__(self, name: str, inner: Transport, probe_interval_s: float) -> None:
         self._name = name

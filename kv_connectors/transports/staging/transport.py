@@ -154,7 +154,8 @@ class StagedTransport:
         return MD_MAGIC + msgspec.msgpack.encode(info)
 
     def connect(self, peer_name: str, peer_metadata: bytes) -> None:
-        """Connect the inner transport; a new incarnation of a known peer fails its old transfers."""
+        """Connect the inner transport; a new incarnation of a known peer fails its old transfers, and a
+        peer given up for gone (a cut link, a transient engine error) is taken back on a new handshake."""
         self._require_open()
         if not peer_metadata.startswith(MD_MAGIC):
             raise TransportError(f"peer {peer_name} metadata is not from a StagedTransport (both sides must stage)")
@@ -163,9 +164,9 @@ class StagedTransport:
         except msgspec.DecodeError as e:
             raise TransportError(f"malformed staging metadata from {peer_name}: {e}") from e
         old = self._peers.get(peer_name)
-        if old is not None and old.metadata == peer_metadata:
+        if old is not None and old.metadata == peer_metadata and old.dead is None:
             return
-        if old is not None:
+        if old is not None:  # a new incarnation, or the same one again after it was given up for gone
             self._peers.forget(peer_name, PeerDisconnectedError(f"staging peer {peer_name} was replaced (reconnected)"))
         self._inner.connect(peer_name, info.inner)
         self._peers.add(peer_name, info, peer_metadata)
