@@ -575,6 +575,19 @@ class Receiver:
         except KVConnectorError as e:
             logger.debug("could not notify producer %s: %s", agent_name, e)
 
+    def _prune_peers(self) -> None:
+        """Forget producers that failed and that no task names (addresses come from requests: a
+        client naming many dead ones would otherwise keep an entry and a thread for each)."""
+        failed = [key for key, peer in self._peers.items() if peer.error is not None]
+        if not failed:
+            return
+        named = {task.peer_key for task in self._tasks.values()}
+        for key in failed:
+            if key not in named:
+                del self._peers[key]
+                self._expected.pop(key, None)
+                self._client.forget(key[1], key[2])
+
     # results ----------------------------------------------------------------------------------
     def take_finished(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids since the last call; releases are not reported."""
@@ -602,6 +615,8 @@ class Receiver:
             if rid in self._group_failed:
                 self._group_failed.discard(rid)
                 failed.add(rid)
+        if ended:
+            self._prune_peers()
         return finished, failed
 
     def close(self) -> None:

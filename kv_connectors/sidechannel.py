@@ -169,51 +169,70 @@ class Client(Protocol):
         self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
     ) -> concurrent.futures.Future[wire.Body]: ...
 
+    def forget(self, host: str, port: int) -> None: ...
+
     def close(self) -> None: ...
+
+
+class _Lane:
+    """One peer address's thread and the connection only that thread uses (zmq sockets are not thread-safe)."""
+
+    def __init__(self, port: int) -> None:
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvc-sc-{port}")
+        self.sock: zmq.Socket[bytes] | None = None
 
 
 class SideChannelClient:
     """Side-channel requests run off the engine thread: one thread per peer address, so that a
-    frozen peer delays only its own requests; beyond max_peers addresses the rest share one."""
+    frozen peer delays only its own requests; beyond max_peers addresses the rest share one.
+    `forget` ends an address's thread (a producer that failed and that no request names any more)."""
 
     def __init__(self, max_peers: int = 256, secret: bytes | None = None) -> None:
         self._max_peers = max_peers
         self._secret = secret or None
-        self._socks: dict[tuple[str, int], zmq.Socket[bytes]] = {}  # each used only by its peer's thread
-        self._pools: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
+        self._lanes: dict[tuple[str, int], _Lane] = {}
         self._shared = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sidechannel")
 
     def submit(
         self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
     ) -> concurrent.futures.Future[wire.Body]:
-        pool = self._pools.get((host, port))
-        if pool is None:
-            if len(self._pools) >= self._max_peers:
-                pool = self._shared
-            else:
-                pool = self._pools[(host, port)] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvc-sc-{port}")
-        if pool is self._shared:
-            return pool.submit(request, host, port, body, compat_hash, timeout_s, self._secret)
-        return pool.submit(self._on_peer_thread, host, port, body, compat_hash, timeout_s)
+        lane = self._lanes.get((host, port))
+        if lane is None:
+            if len(self._lanes) >= self._max_peers:
+                return self._shared.submit(request, host, port, body, compat_hash, timeout_s, self._secret)
+            lane = self._lanes[(host, port)] = _Lane(port)
+        return lane.executor.submit(self._on_lane, lane, host, port, body, compat_hash, timeout_s)
 
-    def _on_peer_thread(self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float) -> wire.Body:
+    def _on_lane(self, lane: _Lane, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float) -> wire.Body:
         """On the peer's own thread: one connection per peer, kept (a REQ socket per request would cost
         a TCP and a ZMTP handshake each time: the claim of every pull read comes this way)."""
-        sock = self._socks.get((host, port))
+        sock = lane.sock
         fresh = sock is None
         if sock is None:
-            sock = self._socks[(host, port)] = _socket()
+            sock = lane.sock = _socket()
         try:
             return _exchange(sock, host, port, body, compat_hash, timeout_s, self._secret, connect=fresh)
         except BaseException:
             # A REQ socket without its answer cannot send again (and an answer may still come): a new one.
-            self._socks.pop((host, port), None)
+            lane.sock = None
             sock.close(0)
             raise
 
+    def forget(self, host: str, port: int) -> None:
+        """End the address's thread once its request in flight (if any) is over; queued ones are
+        cancelled. A later request to it starts a new one."""
+        lane = self._lanes.pop((host, port), None)
+        if lane is not None:
+            lane.executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def lanes(self) -> int:
+        return len(self._lanes)
+
     def close(self) -> None:
-        for pool in [*self._pools.values(), self._shared]:
-            pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self._lanes.values():
+            lane.executor.shutdown(wait=False, cancel_futures=True)
+        self._shared.shutdown(wait=False, cancel_futures=True)
         # The peer threads' sockets are theirs to use until they end (a zmq socket is not thread-safe):
         # left to the garbage collector, with LINGER 0.
 

@@ -67,6 +67,9 @@ class _WakingClient:
         future.add_done_callback(lambda _f: self._wake())
         return future
 
+    def forget(self, host: str, port: int) -> None:
+        self._inner.forget(host, port)
+
     def close(self) -> None:
         self._inner.close()
 

@@ -41,6 +41,7 @@ class MemoryFabric:
         self.frozen: set[str] = set()  # agent names or "host:port" side-channel addresses
         self.dead: set[str] = set()
         self.requests: list[wire.Body] = []  # every side-channel request, in order (tests count them)
+        self.forgotten: list[tuple[str, int]] = []  # side-channel addresses a client forgot
 
     # side channel -------------------------------------------------------------------------------
     def serve(
@@ -105,6 +106,9 @@ class MemoryClient:
         if server is None or f"{host}:{port}" in self._fabric.dead:
             raise HandshakeError(f"no answer from side channel {host}:{port} (peer down?)")
         return sidechannel.reply_of(server.answer(wire.encode(body, compat_hash)), body, compat_hash, None, f"{host}:{port}")
+
+    def forget(self, host: str, port: int) -> None:
+        self._fabric.forgotten.append((host, port))
 
     def close(self) -> None:
         pass

@@ -84,6 +84,9 @@ class HeldClient:
                 late.set_result(answered.result())
         return len(held)
 
+    def forget(self, host: str, port: int) -> None:
+        self._inner.forget(host, port)
+
     def close(self) -> None:
         self._inner.close()
 

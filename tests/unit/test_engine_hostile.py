@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 
 from kv_connectors import wire
+from kv_connectors.specs import RecvSpec, StepMetadata
 from tests.unit.engine_harness import D_PORT, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
@@ -118,3 +119,17 @@ def test_fuzzed_side_channel_and_notifications_leave_both_engines_serving():
     c.clock.advance(60)
     c.run(2)
     assert c.p.engine.stats.held_blocks == 0
+
+
+def test_producers_named_by_failed_requests_are_forgotten():
+    """Producer addresses come from requests: 500 requests naming 500 side channels nobody listens on
+    leave no entry (nor a side-channel thread) behind once they failed."""
+    c = Cluster()
+    for i in range(500):
+        peer = (f"E{i}", "10.0.0.1", 20000 + i)
+        c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec(peer, "x", (5,), (1,), remote_tp_size=1)}))
+    c.run(5)
+    assert len(c.d.failed_recving) == 500
+    rx = c.d.engine._receiver
+    assert not rx._peers and not rx._expected
+    assert len(c.fabric.forgotten) == 500

@@ -233,7 +233,7 @@ def test_restarted_producer_refuses_claims_made_with_the_old_handshake():
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run()
     assert c.d.failed_recving == {"d1"}
-    assert c.d.engine._receiver._peers[PEER].error == "the producer restarted"
+    assert PEER not in c.d.engine._receiver._peers  # forgotten: the next request hand-shakes anew
 
 
 def test_push_asking_for_more_blocks_than_p_has_is_refused():

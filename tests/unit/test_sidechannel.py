@@ -133,6 +133,24 @@ def test_client_runs_each_peer_on_its_own_thread():
         fast.close()
 
 
+def test_client_forgets_an_address_and_can_ask_it_again(server):
+    """A forgotten address's thread ends (D forgets producers that failed and that no request names);
+    a later request to it gets a new one and is answered."""
+    client = sidechannel.SideChannelClient()
+    try:
+        dead = _free_port()
+        with pytest.raises(HandshakeError):
+            client.submit("127.0.0.1", dead, wire.StatsRequest(), "", 0.3).result(5)
+        assert client.submit("127.0.0.1", server, wire.StatsRequest(), "", 5).result(5).held_blocks == 7
+        assert client.lanes == 2
+        client.forget("127.0.0.1", dead)
+        client.forget("127.0.0.1", server)
+        assert client.lanes == 0
+        assert client.submit("127.0.0.1", server, wire.StatsRequest(), "", 5).result(5).held_blocks == 7
+    finally:
+        client.close()
+
+
 def test_shared_secret_authenticates_side_channel_messages(monkeypatch):
     from kv_connectors.config import parse_config
     from kv_connectors.errors import ConfigError, UnauthenticatedPeerError
