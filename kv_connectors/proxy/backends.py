@@ -32,6 +32,7 @@ class Backend:
     failures: int = 0  # failed requests and failed health checks, all time
     consecutive_check_failures: int = 0
     prefix: PrefixCache | None = None  # with the prefix policy
+    removed: bool = False  # taken out of the pool: its series are gone, requests in flight finish
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -69,7 +70,9 @@ class BackendCall:
             self.backend.served += 1
         else:
             self.backend.failures += 1
-        self.pool.metrics.backend_seconds.labels(self.pool.role.value, self.backend.url).observe(time.perf_counter() - self.start)
+        if not self.backend.removed:
+            seconds = self.pool.metrics.backend_seconds.labels(self.pool.role.value, self.backend.url)
+            seconds.observe(time.perf_counter() - self.start)
 
 
 class BackendPool:
@@ -175,13 +178,19 @@ class BackendPool:
     def remove(self, backend: Backend) -> None:
         """Out of the pool; requests in flight on it finish (they hold the Backend)."""
         self.backends = tuple(b for b in self.backends if b is not backend)
-        for gauge in (self.metrics.backend_healthy, self.metrics.backend_draining):
-            gauge.remove(self.role.value, backend.url)
+        backend.removed = True
+        m = self.metrics
+        for series in (m.backend_healthy, m.backend_draining, m.backend_requests, m.backend_seconds):
+            try:
+                series.remove(self.role.value, backend.url)
+            except KeyError:  # never observed (no request went to it)
+                pass
         logger.info("%s %s removed (%d requests still in flight)", self.role.value, backend.url, backend.outstanding)
 
     def set_draining(self, backend: Backend, draining: bool) -> None:
         backend.draining = draining
-        self.metrics.backend_draining.labels(self.role.value, backend.url).set(1 if draining else 0)
+        if not backend.removed:
+            self.metrics.backend_draining.labels(self.role.value, backend.url).set(1 if draining else 0)
         logger.info("%s %s %s", self.role.value, backend.url, "draining" if draining else "back in rotation (drain ended)")
 
     def begin(self, backend: Backend) -> BackendCall:
@@ -208,7 +217,8 @@ class BackendPool:
         if backend.healthy == healthy:
             return
         backend.healthy = healthy
-        self.metrics.backend_healthy.labels(self.role.value, backend.url).set(1 if healthy else 0)
+        if not backend.removed:
+            self.metrics.backend_healthy.labels(self.role.value, backend.url).set(1 if healthy else 0)
         if healthy:
             logger.info("%s %s back in rotation: %s", self.role.value, backend.url, reason)
         else:

@@ -161,3 +161,17 @@ async def test_draining_every_prefill_falls_back_to_decode_alone() -> None:
         await client.post("/admin/drain", json={"role": "prefill", "url": P1, "timeout_s": 0}, headers=AUTH)
         assert (await client.post("/v1/completions", json={"prompt": [1]})).status_code == 200
     assert fleet.urls() == [D1]
+
+
+async def test_a_removed_backend_leaves_no_metric_series() -> None:
+    """Its request counters and latency go with it, and a request still in flight on it that fails
+    later does not bring a healthy=0 series back (series grew with every URL ever removed)."""
+    fleet = Fleet((P1, P2))
+    async with running(config((P1, P2)), fleet) as (app, client):
+        ctx = app.state.proxy
+        p1 = ctx.prefill.find(P1)
+        await client.post("/v1/completions", json={"prompt": [1]})
+        ctx.prefill.remove(p1)
+        ctx.prefill.mark_failed(p1, "a request in flight on it failed after its removal")
+        text = (await client.get("/metrics")).text
+    assert not [line for line in text.splitlines() if P1 in line and not line.startswith("#")]
