@@ -277,5 +277,7 @@ class SchedulerSide:
 def _covered_digest(request: Any, rp: RemotePrefill) -> str:
     """prompt_digest of the request's prompt tokens P's KV covers: what a push request or release
     states, so that P neither writes nor frees another prompt's KV for it."""
-    prompt = request.prompt_token_ids or ()
+    prompt = request.prompt_token_ids
+    if prompt is None:  # prompt embeddings: nothing to state (P states none either)
+        return ""
     return prompt_digest(list(prompt[: rp.covered_tokens(len(prompt))]))
