@@ -278,6 +278,8 @@ def _covered_digest(request: Any, rp: RemotePrefill) -> str:
     """prompt_digest of the request's prompt tokens P's KV covers: what a push request or release
     states, so that P neither writes nor frees another prompt's KV for it."""
     prompt = request.prompt_token_ids
-    if prompt is None:  # prompt embeddings: nothing to state (P states none either)
+    if prompt is None or getattr(request, "abort_immediately", False):
+        # Prompt embeddings (P states none either), or vLLM's stand-in for a request that failed
+        # before admission: a one-token placeholder prompt sent only to free P's blocks.
         return ""
     return prompt_digest(list(prompt[: rp.covered_tokens(len(prompt))]))

@@ -281,6 +281,20 @@ def test_the_prompt_digest_travels_to_both_workers_in_the_transfer_id_flow():
     assert not release.report and release.prompt_digest == sent.prompt_digest
 
 
+def test_vllms_stand_in_for_a_request_that_failed_before_admission_releases_without_a_digest():
+    """vLLM frees P's blocks for a D request that failed before admission with a stand-in request
+    (`abort_immediately`, prompt [0]) carrying its kv_transfer_params: its release must not state the
+    placeholder prompt's digest, or P would keep the blocks until lease expiry."""
+    params = _p_params(list(range(64)), [7, 8])
+    side = SchedulerSide(parse_config("D", "kv_consumer", {}), BLOCK, 7002, clock=FakeClock())
+    stand_in = _d_request("failed", [0], params)
+    stand_in.abort_immediately = True
+    stand_in.status = RequestStatus.FINISHED_ABORTED
+    side.request_finished(stand_in, [])
+    release = side.build_connector_meta(OUTPUT).reqs_to_recv["failed"]
+    assert not release.report and release.prompt_digest == ""
+
+
 def test_a_step_without_tokens_is_marked_idle_for_the_worker():
     side = SchedulerSide(parse_config("P", "kv_producer", {}), BLOCK, 7002)
     empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0)
