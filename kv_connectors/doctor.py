@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
-import multiprocessing as mp
 import os
 import platform
 import re
@@ -30,20 +29,16 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
-from multiprocessing.connection import Connection
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from kv_connectors.config import ConnectorConfig, Role
+from kv_connectors import checks, peerprobe
+from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import KVConnectorError
-from kv_connectors.layout import KVLayout, Region
-from kv_connectors.peerprobe import BLOCK_BYTES, parse_peer, pattern, timed_ops
-from kv_connectors.transports import create_transport, require_transport, ucx_on_loopback
-from kv_connectors.transports.base import Transport
-from kv_connectors.transports.memory import host_layout
+from kv_connectors.peerprobe import parse_peer
+from kv_connectors.transports import require_transport, ucx_on_loopback
 
 _DISTRIBUTIONS = (
     "kv-connectors",
@@ -57,9 +52,7 @@ _DISTRIBUTIONS = (
     "mooncake-transfer-engine-non-cuda",
 )
 _SYS = Path("/sys")
-_PROBE_BYTES = 32 << 20
-_STAGING_POOL = 8 << 20
-_STAGING_CHUNK = 1 << 20
+MARGIN = 1.5  # one choice over another only when every round of it beats every round of the other by this
 
 
 # Facts -----------------------------------------------------------------------------------------
@@ -75,7 +68,7 @@ def versions() -> dict[str, str | None]:
 
 
 def known_problems(v: dict[str, str | None], gpus: list[str]) -> list[str]:
-    """Combinations known to break (PLATFORM.md, the install traps users hit)."""
+    """Combinations known to break (the install traps users hit; docs/troubleshooting.md)."""
     problems = []
     if v.get("mooncake-transfer-engine") and v.get("mooncake-transfer-engine-non-cuda"):
         problems.append(
@@ -140,8 +133,8 @@ def ucx(dev: dict[str, Any]) -> dict[str, Any]:
     return {"env": env, "within_host": within, "across_hosts": across}
 
 
-# What UCX itself says it chose: UCX_PROTO_INFO tables from a short NIXL READ and WRITE between two
-# processes (a child doctor probe, its UCX log in a file of its own).
+# What UCX itself says it chose: UCX_PROTO_INFO tables from NIXL READs and WRITEs between two processes
+# (the probes themselves, their UCX log in a file of the doctor's own; or a child probe).
 _PROTO_OPS = {
     "read": "remote memory read by ucp_get*",
     "write": "remote memory write by ucp_put*",
@@ -218,9 +211,41 @@ def ucx_selection() -> dict[str, Any]:
     """Ask UCX which transports it uses between two processes of this host: a child process runs a
     short NIXL probe (READ and WRITE) with UCX_PROTO_INFO=y; the protocol tables both processes
     logged are parsed. {"read": [...], "write": [...], "messages": [...]}, or {"error": why}."""
-    code = "import json; from kv_connectors.doctor import probe; print(json.dumps(probe('nixl', False, 1 << 20, 0.0)))"
+    code = (
+        "import json; from kv_connectors.peerprobe import probe_local; "
+        "print(json.dumps(probe_local([('nixl', False)], 0.0, 1, 1 << 20)['nixl']))"
+    )
     answer = _ask_ucx(code, loopback=True)
     return answer if "error" in answer else {op: answer[op] for op in _PROTO_OPS}
+
+
+@contextlib.contextmanager
+def _proto_info_log() -> Iterator[Path]:
+    """While inside, UCX started in this process or the ones it spawns logs its protocol tables
+    (UCX_PROTO_INFO=y) into files under the yielded folder. UCX reads UCX_LOG_FILE once, when a
+    process first loads it: a process that loaded UCX before logs nowhere new (the caller then asks
+    a child, ucx_selection)."""
+    names = ("UCX_PROTO_INFO", "UCX_LOG_FILE")
+    saved = {name: os.environ.get(name) for name in names}
+    with tempfile.TemporaryDirectory(prefix="kvc-doctor-ucx-") as tmp:
+        os.environ["UCX_PROTO_INFO"] = "y"
+        os.environ["UCX_LOG_FILE"] = os.path.join(tmp, "ucx.%p.log")
+        try:
+            yield Path(tmp)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _selected_in(folder: Path) -> dict[str, Any]:
+    logs = "".join(f.read_text(errors="replace") for f in sorted(folder.glob("ucx.*")))
+    chosen = parse_proto_info(logs)
+    if not chosen["read"] and not chosen["write"]:
+        return {"error": "UCX printed no protocol tables (UCX_PROTO_INFO needs UCX 1.14 or later)"}
+    return dict(chosen)
 
 
 def ask_peer(host: str, port: int) -> dict[str, Any]:
@@ -333,86 +358,93 @@ def _deduced_path(host: str, dev: dict[str, Any], env: dict[str, str], within_ho
     return out
 
 
-# The probe -------------------------------------------------------------------------------------
-def _engine_config(name: str) -> ConnectorConfig:
-    return ConnectorConfig(engine_id=name, role=Role.BOTH, mooncake_protocol="tcp")
-
-
-def _open(kind: str, name: str, staged: bool, buf: np.ndarray) -> Transport:
-    inner = create_transport(kind, name, _engine_config(name))
-    transport: Transport = inner
-    if staged:
-        from kv_connectors.transports.staging import StagedTransport
-
-        transport = StagedTransport(inner, pool_bytes=_STAGING_POOL, chunk_bytes=_STAGING_CHUNK)
-    transport.register(host_layout(buf, buf.nbytes // BLOCK_BYTES, 16, num_regions=1))
-    return transport
-
-
-def _peer(conn: Connection, kind: str, staged: bool, nbytes: int) -> None:
-    """The other process: registers a patterned buffer, answers with its metadata, then keeps its
-    transport progressing (staging needs it) until told to stop."""
-    try:
-        buf = pattern(nbytes // BLOCK_BYTES)
-        t = _open(kind, "doctor-peer", staged, buf)
-        conn.send(("ready", t.local_metadata(), int(buf.ctypes.data)))
-        while True:
-            if conn.poll(0.0005):
-                cmd = conn.recv()
-                if cmd[0] == "stop":
-                    break
-                t.connect(cmd[1], cmd[2])
-                conn.send(("ok",))
-            if staged:
-                t.get_notifs()
-        t.close()
-    except BaseException as e:  # reported to the parent, which reports the path as failed
-        with contextlib.suppress(OSError):
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-def probe(kind: str, staged: bool, nbytes: int = _PROBE_BYTES, seconds: float = 0.4) -> dict[str, Any]:
-    """GB/s of READ and WRITE of scattered 16 KiB blocks between this process and a spawned one
-    (bytes of each READ verified), or {"error": why}."""
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_peer, args=(theirs, kind, staged, nbytes), daemon=True)
-    t: Transport | None = None
-    with ucx_on_loopback():
-        proc.start()
-    try:
-        if not mine.poll(60):
-            return {"error": "the probe's peer process did not start within 60 s"}
-        msg = mine.recv()
-        if msg[0] == "error":
-            return {"error": msg[1]}
-        _, peer_metadata, peer_base = msg
-        num_blocks = nbytes // BLOCK_BYTES
-        buf = np.zeros(nbytes, np.uint8)
-        t = _open(kind, "doctor-self", staged, buf)
-        t.connect("doctor-peer", peer_metadata)
-        mine.send(("connect", "doctor-self", t.local_metadata()))
-        if not mine.poll(30) or mine.recv()[0] != "ok":
-            return {"error": "the probe's peer could not connect back"}
-        peer_layout = KVLayout(num_blocks, 16, (Region(peer_base, BLOCK_BYTES, BLOCK_BYTES, num_blocks),))
-        local_layout = host_layout(buf, num_blocks, 16, num_regions=1)
-        return timed_ops(t, "doctor-peer", peer_layout, local_layout, buf, seconds)
-    except KVConnectorError as e:
-        return {"error": str(e)}
-    finally:
-        if t is not None:
-            t.close()
-        with contextlib.suppress(OSError):
-            mine.send(("stop",))
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+# The probes ------------------------------------------------------------------------------------
+def probe_all() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every installed transport between two processes here, direct and staged, and what UCX chose for
+    NIXL's (asked of UCX: its protocol tables, logged while the probes ran)."""
+    results: dict[str, dict[str, Any]] = {}
+    paths: list[tuple[str, bool]] = []
+    for kind in ("nixl", "mooncake"):
+        try:
+            require_transport(kind)
+        except KVConnectorError as e:
+            results[kind] = {"error": str(e)}
+            continue
+        paths += [(kind, False), (kind, True)]
+    selected: dict[str, Any] = {"error": "NIXL is not installed: UCX was not asked"}
+    with _proto_info_log() as folder:
+        results.update(peerprobe.probe_local(paths) if paths else {})
+        if ("nixl", False) in paths:
+            selected = _selected_in(folder)
+    if ("nixl", False) in paths and "error" in selected:  # UCX was loaded before here: ask a fresh child
+        selected = ucx_selection()
+    return {k: results[k] for k in sorted(results, key=lambda k: (k.split("+")[0] != "nixl", k))}, selected
 
 
 # The recommendation ----------------------------------------------------------------------------
+_CONNECTORS = {
+    "nixl": {"kv_connector": "NixlConnector", "kv_connector_module_path": "kv_connectors.nixl"},
+    "mooncake": {"kv_connector": "MooncakeConnector", "kv_connector_module_path": "kv_connectors.mooncake"},
+}
+_DEFAULT_MODE = {"nixl": "pull", "mooncake": "push"}
+
+
+def _rounds(result: dict[str, Any], op: str) -> list[float]:
+    values = result.get(f"{op}_rounds") or [result[f"{op}_gbps"]]
+    return [float(v) for v in values]
+
+
+def beats(a: Sequence[float], b: Sequence[float], margin: float = MARGIN) -> bool:
+    """Whether a is faster than b beyond the noise: every round of a above every round of b times margin."""
+    return bool(a) and bool(b) and min(a) > margin * max(b)
+
+
+def transfer_configs(transport: str, mode: str, staging_on: bool) -> dict[str, dict[str, Any]]:
+    """The --kv-transfer-config of P and of D for this recommendation, for both on one host (D's port
+    leaves room for P's tensor-parallel ranks; across hosts each also needs side_channel_host)."""
+    port = ConnectorConfig.side_channel_port
+    staging = {"staging": "on"} if staging_on else {}
+    mode_key = {"mode": mode} if mode in ("pull", "push") and mode != _DEFAULT_MODE[transport] else {}
+    return {
+        "prefill": {
+            **_CONNECTORS[transport],
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"side_channel_port": port, **staging},
+        },
+        "decode": {
+            **_CONNECTORS[transport],
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"side_channel_port": port + 10, **mode_key, **staging},
+        },
+    }
+
+
+def _choose(direct: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """(transport, why): the fastest reader, NIXL where the other is not faster beyond the margin."""
+    best = max(direct, key=lambda k: direct[k]["read_gbps"])
+    others = [k for k in direct if k != best]
+    if not others:
+        return best, f"the only transport that works here (READ {direct[best]['read_gbps']} GB/s)"
+    other = others[0]
+    if beats(_rounds(direct[best], "read"), _rounds(direct[other], "read")):
+        return best, f"READ {direct[best]['read_gbps']} GB/s against {other}'s {direct[other]['read_gbps']}"
+    return "nixl", f"either ({best} not {MARGIN:g}x faster here in every round): nixl, the default"
+
+
+def _mode(result: dict[str, Any], transport: str) -> tuple[str, str]:
+    """(mode, why): push where WRITE beats READ beyond the margin, pull where READ beats WRITE, else either."""
+    read, write = _rounds(result, "read"), _rounds(result, "write")
+    figures = f"READ {result['read_gbps']} GB/s, WRITE {result['write_gbps']} GB/s"
+    if beats(write, read):
+        return "push", f"WRITE beats READ by over {MARGIN:g}x in every round ({figures})"
+    if beats(read, write):
+        return "pull", f"READ beats WRITE by over {MARGIN:g}x in every round ({figures})"
+    default = _DEFAULT_MODE[transport]
+    return "either", f"within {MARGIN:g}x of each other ({figures}): {default}, {transport}'s default"
+
+
 def recommend(report: dict[str, Any]) -> dict[str, Any]:
-    """Transport, mode, staging and environment for this host, with warnings."""
+    """Transport, mode, staging, environment and the --kv-transfer-config of P and D, with warnings."""
     dev, paths = report["devices"], report["probe"]
     warnings: list[str] = list(report["known_problems"])
     env: dict[str, str] = {}
@@ -421,10 +453,11 @@ def recommend(report: dict[str, Any]) -> dict[str, Any]:
         return {"transport": None, "warnings": warnings}  # --no-probe: nothing measured, nothing to recommend
     if not direct:
         return {"transport": None, "warnings": [*warnings, "no transport works on this host: install kv-connectors[nixl]"]}
-    best = max(direct, key=lambda k: direct[k]["read_gbps"])
-    mode = "push" if direct[best]["write_gbps"] > 1.5 * direct[best]["read_gbps"] else "pull"
+    best, transport_why = _choose(direct)
+    mode, mode_why = _mode(direct[best], best)
     staged = paths.get(f"{best}+staged", {})
-    if dev["gpus"] and dev["rdma_devices"] and not dev["gpudirect_rdma"]:
+    staging_on = bool(dev["gpus"] and dev["rdma_devices"] and not dev["gpudirect_rdma"])
+    if staging_on:
         staging = "on across hosts (the NIC cannot reach GPU memory without GPUDirect RDMA: nvidia_peermem)"
     else:
         staging = "off (auto stages only where device memory cannot be registered)"
@@ -453,31 +486,22 @@ def recommend(report: dict[str, Any]) -> dict[str, Any]:
         warnings.append(
             f"staging here runs at {staged['read_gbps']} GB/s against {direct[best]['read_gbps']} direct: stage only where needed"
         )
+    configs = transfer_configs(best, mode, staging_on)
     return {
         "transport": best,
+        "transport_why": transport_why,
         "mode": mode,
+        "mode_why": mode_why,
         "staging": staging,
         "env": env,
-        "extra_config": {"mode": mode} if mode == "push" else {},
+        "extra_config": configs["decode"]["kv_connector_extra_config"],
+        "kv_transfer_config": configs,
         "warnings": warnings,
     }
 
 
-def config_problems(config_json: str) -> list[str]:
-    """What stops `config_json` (a --kv-transfer-config) on this host; [] if nothing."""
-    from kv_connectors import cli
-
-    try:
-        kind, cfg = cli.check_transfer_config(json.loads(config_json))
-    except (ValueError, KVConnectorError) as e:
-        return [str(e)]
-    problems = cli.host_problems(kind, cfg)
-    if cfg.progress_delay_us == 0 and kind == "nixl":
-        problems.append("progress_delay_us 0 makes NIXL's progress thread spin a whole core; keep the default")
-    return problems
-
-
 def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequence[str] = ()) -> dict[str, Any]:
+    started = time.monotonic()
     v = versions()
     dev = devices()
     report: dict[str, Any] = {
@@ -489,27 +513,44 @@ def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequ
         "probe": {},
     }
     if probe_paths:
-        report["ucx"]["selected"] = selected = ucx_selection()
+        report["probe"], selected = probe_all()
+        report["ucx"]["selected"] = selected
         if "error" not in selected:
             report["ucx"]["within_host"] = (
                 f"READ {','.join(selected['read'])}, WRITE {','.join(selected['write'])} (asked of UCX: UCX_PROTO_INFO)"
             )
-        for kind in ("nixl", "mooncake"):
-            try:
-                require_transport(kind)
-            except KVConnectorError as e:
-                report["probe"][kind] = {"error": str(e)}
-                continue
-            for staged in (False, True):
-                report["probe"][kind + ("+staged" if staged else "")] = probe(kind, staged)
     report["recommendation"] = recommend(report)
     if peers:
         # within_host is UCX's own answer where it was asked, else the same deduction peer_path makes
         report["peers"] = [_peer_report(spec, dev, report["ucx"]) for spec in peers]
         report["recommendation"]["warnings"] += [w for p in report["peers"] for w in p["warnings"]]
     if config is not None:
-        report["config_problems"] = config_problems(config)
+        report["config_problems"] = checks.config_problems(config)
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
     return report
+
+
+def run(*, probe_paths: bool = True, config: str | None = None, peers: Sequence[str] = (), verbose: bool = False) -> dict[str, Any]:
+    """diagnose() with the engines' own output dropped (or, verbose, on stderr): stdout is the report's."""
+    with checks.engine_output(verbose):
+        return diagnose(probe_paths=probe_paths, config=config, peers=peers)
+
+
+def exit_status(report: dict[str, Any]) -> int:
+    """2 when the given configuration cannot work here or a peer is unreachable, else 0."""
+    unreachable = any("error" in p for p in report.get("peers", []))
+    return 2 if report.get("config_problems") or unreachable else 0
+
+
+def serve(spec: str, seconds: float) -> int:
+    """`doctor --serve ADDRESS[:PORT]`: answer other hosts' probes for `seconds`."""
+    try:
+        host, port = parse_peer(spec)
+    except ValueError as e:
+        print(f"error: --serve: {e}", file=sys.stderr)
+        return 2
+    peerprobe.serve(host, port or peerprobe.DEFAULT_PORT, seconds)
+    return 0
 
 
 def _peer_report(spec: str, dev: dict[str, Any], u: dict[str, Any]) -> dict[str, Any]:
@@ -520,18 +561,24 @@ def _peer_report(spec: str, dev: dict[str, Any], u: dict[str, Any]) -> dict[str,
     return peer_path(host, dev, u["env"], u["within_host"], port)
 
 
+def _words(items: Sequence[str] | dict[str, str]) -> str:
+    if isinstance(items, dict):
+        return " ".join(f"{k}={v}" for k, v in items.items()) or "none"
+    return ", ".join(items) or "none"
+
+
 def render(report: dict[str, Any]) -> str:
-    """The report for a terminal."""
+    """The report for a terminal: facts, probes, the recommendation (paste-able), warnings."""
     lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v)]
     d = report["devices"]
     lines.append(
-        f"devices: GPUs {d['gpus'] or 'none'}; RDMA {d['rdma_devices'] or 'none'}; "
-        f"GPUDirect RDMA {'yes' if d['gpudirect_rdma'] else 'no'}; NICs {d['nics'] or 'none'}"
+        f"devices: GPUs {_words(d['gpus'])}; RDMA {_words(d['rdma_devices'])}; "
+        f"GPUDirect RDMA {'yes' if d['gpudirect_rdma'] else 'no'}; NICs {_words(d['nics'])}"
     )
     u = report["ucx"]
-    lines.append(f"UCX: within a host {u['within_host']}; across hosts {u['across_hosts']}; env {u['env'] or 'none'}")
+    lines.append(f"UCX: within a host {u['within_host']}; across hosts {u['across_hosts']}; env {_words(u['env'])}")
     sel = u.get("selected")
-    if sel is not None:
+    if sel:
         lines.append(
             f"UCX asked (UCX_PROTO_INFO, two processes here): FAILED: {sel['error']}"
             if "error" in sel
@@ -543,18 +590,29 @@ def render(report: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"probe {path}: FAILED: {r['error']}")
         else:
-            lines.append(f"probe {path}: READ {r['read_gbps']} GB/s, WRITE {r['write_gbps']} GB/s (16 KiB blocks, scattered)")
-    rec = report["recommendation"]
-    if rec.get("transport"):
-        lines.append(
-            f"recommendation: transport {rec['transport']}, mode {rec['mode']}, staging {rec['staging']}"
-            + (f", env {rec['env']}" if rec["env"] else "")
-        )
+            rounds = f"median of {len(r['read_rounds'])} rounds, " if len(r.get("read_rounds", [])) > 1 else ""
+            lines.append(
+                f"probe {path}: READ {r['read_gbps']} GB/s, WRITE {r['write_gbps']} GB/s ({rounds}16 KiB blocks, scattered)"
+            )
     for p in report.get("peers", []):
         if "error" in p:
             lines.append(f"peer {p['peer']}: FAILED: {p['error']}")
         else:
             lines.append(f"peer {p['peer']} ({p['address']}): via {p['interface']}, UCX will use {p['transport']}")
+    rec = report["recommendation"]
+    if rec.get("transport"):
+        lines.append(f"recommendation: transport {rec['transport']} ({rec['transport_why']})")
+        lines.append(f"  mode {rec['mode']} ({rec['mode_why']}); staging {rec['staging']}")
+        configs = rec["kv_transfer_config"]
+        env = "".join(f"{k}={v} " for k, v in rec["env"].items())
+        for side, label in (("prefill", "P"), ("decode", "D")):
+            lines.append(
+                f"  {label}: {env}vllm serve MODEL --kv-transfer-config '{json.dumps(configs[side], separators=(',', ':'))}'"
+            )
+        lines.append('  (P and D on one host; across hosts add "side_channel_host" on each: the address its peers reach it at)')
     lines += [f"WARNING: {w}" for w in rec["warnings"]]
-    lines += [f"CONFIG PROBLEM: {p}" for p in report.get("config_problems", [])]
+    if "config_problems" in report:
+        lines += [f"CONFIG PROBLEM: {p}" for p in report["config_problems"]] or ["config: OK here"]
+    if "elapsed_s" in report:
+        lines.append(f"(doctor took {report['elapsed_s']} s)")
     return "\n".join(lines)

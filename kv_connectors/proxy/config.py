@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import enum
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import httpx
+
+from kv_connectors import __version__  # the package root only: the proxy imports nothing else of ours
+
+DEFAULT_PORT = 8080  # not vLLM's 8000: the proxy often runs on a host that also runs `vllm serve`
 
 
 class ConfigError(ValueError):
@@ -68,7 +74,7 @@ class ProxyConfig:
     prefill: tuple[BackendSpec, ...]
     decode: tuple[BackendSpec, ...]
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = DEFAULT_PORT
     flow: Flow = Flow.AUTO
     prefill_policy: Policy = Policy.ROUND_ROBIN
     decode_policy: Policy = Policy.ROUND_ROBIN
@@ -184,12 +190,48 @@ def _prefill_spec(values: Sequence[str]) -> BackendSpec:
     return backend_spec(Role.PREFILL, values[0], values[1] if len(values) == 2 else None)
 
 
+# vLLM's toy proxy (examples/.../toy_proxy_server.py) names its backends this way; ours are URLs.
+TOY_PROXY_FLAGS = (
+    "--prefiller-hosts",
+    "--prefiller-ports",
+    "--decoder-hosts",
+    "--decoder-ports",
+    "--prefiller-host",
+    "--prefiller-port",
+    "--decoder-host",
+    "--decoder-port",
+)
+TOY_PROXY_HINT = (
+    "{flag} is a flag of vLLM's toy proxy; this proxy takes one URL per server: "
+    "--prefill http://HOST:PORT [SIDE_CHANNEL] (repeatable) and --decode http://HOST:PORT (repeatable)"
+)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, except where there is none to show (required flags, unset optional ones)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line on stderr (the usage block is for --help) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kv-connectors-proxy",  # also `python examples/proxy.py`, `python -m kv_connectors.proxy`
         description="PD disaggregation proxy: N prefill and M decode vLLM servers behind one OpenAI endpoint.",
+        formatter_class=_HelpFormatter,
+        epilog="Docs: docs/proxy.md.",
     )
     add = parser.add_argument
+    add("--version", action="version", version=f"%(prog)s {__version__}")
     add(
         "--prefill",
         action="append",
@@ -199,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill server base URL, optionally followed by its KV side channel HOST:PORT or PORT (repeatable)",
     )
     add("--decode", action="append", required=True, metavar="URL", help="decode server base URL (repeatable)")
-    add("--host", default="127.0.0.1")
-    add("--port", type=int, default=8000)
+    add("--host", default="127.0.0.1", help="address the proxy listens on")
+    add("--port", type=int, default=DEFAULT_PORT, help="port the proxy listens on")
     add(
         "--flow",
         choices=[f.value for f in Flow],
@@ -209,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "auto: transfer-id when every --prefill has a side channel",
     )
     for role in ("prefill", "decode"):
-        add(f"--{role}-policy", choices=[p.value for p in Policy], default=Policy.ROUND_ROBIN.value)
+        add(
+            f"--{role}-policy",
+            choices=[p.value for p in Policy],
+            default=Policy.ROUND_ROBIN.value,
+            help=f"how a {role} server is chosen: in turn, the fewest requests in flight, or the longest cached prefix",
+        )
     add("--prefill-timeout-s", type=float, default=120.0, help="deadline of P's answer")
     add(
         "--decode-timeout-s",
@@ -218,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest wait for a byte from D: its first byte, each gap between streamed chunks",
     )
     add("--health-interval-s", type=float, default=2.0, help="period of the active GET /health checks")
-    add("--health-timeout-s", type=float, default=1.0)
+    add("--health-timeout-s", type=float, default=1.0, help="deadline of one GET /health check")
     add("--unhealthy-after", type=int, default=2, help="consecutive failed checks that evict a backend")
     add("--max-retries", type=int, default=2, help="retries of one request on other backends")
     add("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
@@ -234,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="streamed requests (params flow): P's first token goes to the client at once and D continues from "
-        "prompt + that token, where the result is exact (see the README); off: D generates every token",
+        "prompt + that token, where the result is exact (docs/proxy.md); off: D generates every token",
     )
     add(
         "--local-prefill-below",
@@ -255,14 +302,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="environment variable holding the bearer token of the /admin endpoints (add, remove, drain "
         "backends); unset or empty: those endpoints are off. Never on the command line, where `ps` shows it",
     )
-    add("--log-level", default="info", choices=list(LOG_LEVELS))
+    add("--log-level", default="info", choices=list(LOG_LEVELS), help="log level of the proxy and uvicorn")
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     """Parse and validate; a bad flag exits with status 2 and a message naming it."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    for arg in given:
+        flag = arg.split("=", 1)[0]
+        if flag in TOY_PROXY_FLAGS:
+            parser.error(TOY_PROXY_HINT.format(flag=flag))
+    args = parser.parse_args(given)
     try:
         return ProxyConfig(
             prefill=tuple(_prefill_spec(v) for v in args.prefill),

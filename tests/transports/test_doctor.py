@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kv_connectors import doctor
 from kv_connectors.peerprobe import SERVING
 from kvc_testing.procs import ManagedProcess, free_port
 
@@ -22,7 +23,7 @@ def _doctor(*args: str, timeout: float = 300) -> tuple[int, dict]:
         [sys.executable, "-m", "kv_connectors", "doctor", "--json", *args], capture_output=True, text=True, timeout=timeout
     )
     assert proc.stdout.strip(), proc.stderr[-3000:]
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.returncode, json.loads(proc.stdout)  # the whole of stdout: engine logs never reach it
 
 
 def test_doctor_reports_this_host_measures_every_path_and_recommends():
@@ -38,9 +39,10 @@ def test_doctor_reports_this_host_measures_every_path_and_recommends():
         assert "error" not in r["probe"][path], (path, r["probe"][path])
         assert r["probe"][path]["read_gbps"] > 0 and r["probe"][path]["write_gbps"] > 0, path
     rec = r["recommendation"]
-    assert rec["transport"] in ("nixl", "mooncake") and rec["mode"] in ("pull", "push")
-    best = r["probe"][rec["transport"]]
-    assert all(best["read_gbps"] >= p["read_gbps"] for k, p in r["probe"].items() if "+" not in k)
+    assert rec["transport"] in ("nixl", "mooncake") and rec["mode"] in ("pull", "push", "either")
+    assert rec["kv_transfer_config"]["decode"]["kv_role"] == "kv_consumer"
+    best = r["probe"][rec["transport"]]  # no other transport reads faster beyond the margin, in every round
+    assert not any(doctor.beats(p["read_rounds"], best["read_rounds"]) for k, p in r["probe"].items() if "+" not in k)
     tcp_warning = any("no RDMA device" in w for w in rec["warnings"])
     assert tcp_warning == (not rdma)
     if not rdma:
@@ -57,8 +59,6 @@ def test_doctor_reports_this_host_measures_every_path_and_recommends():
 def test_doctor_asks_ucx_and_sees_tcp_when_ucx_tls_allows_only_tcp(monkeypatch):
     """With UCX_TLS=tcp two processes of this host move data over TCP: UCX says so and the doctor
     warns (the trap of a container without cma: P and D on one host at TCP speed)."""
-    from kv_connectors import doctor
-
     monkeypatch.setenv("UCX_TLS", "tcp")
     selected = doctor.ucx_selection()
     assert selected.get("read") and selected.get("write"), selected

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kv_connectors import affinity, cli
+from kv_connectors import affinity, checks
 from kv_connectors.config import parse_config
 from kv_connectors.errors import ConfigError
 
@@ -69,12 +69,13 @@ def test_apply_pins_the_calling_thread_and_threads_it_starts_inherit_it() -> Non
 
 
 def test_check_config_names_an_engine_cpus_this_host_cannot_give() -> None:
-    kind, cfg = cli.check_transfer_config(
+    checked = checks.check_transfer_config(
         {
             "kv_connector": "NixlConnector",
             "kv_connector_module_path": "kv_connectors.nixl",
             "kv_role": "kv_consumer",
             "kv_connector_extra_config": {"engine_cpus": "4000-4001", "side_channel_port": 1},
-        }
+        },
+        with_vllm=False,
     )
-    assert any("engine_cpus" in p and "no CPU" in p for p in cli.host_problems(kind, cfg))
+    assert any("engine_cpus" in p and "no CPU" in p for p in checks.host_problems(checked.kind, checked.config))
