@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults clean
+.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults gpu-check clean
 
 all: test
 
@@ -89,6 +89,15 @@ bench-e2e: $(STAMP)
 # Fault scenarios against vLLM's built-in connector (real servers, ~6 minutes).
 bench-faults: $(STAMP)
 	$(VPY) -m benchmarks.bench_faults $(BENCH_ARGS)
+
+# The GPU end-to-end check on one CUDA host (benchmarks/gpu_check.py, with the host's python3 and its
+# torch): installs what it needs into .venv/gpu-check, checks every transport greedy-exact against
+# colocated, foreign KV, TTFT against vLLM's built-in and colocated, staged against direct (under
+# 8 minutes, installing apart), and writes gpu_out/gpu_check.json naming the step that failed.
+# GPU_CHECK_ARGS="--dry-run" builds and checks the plan on any host with the test dependencies.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
