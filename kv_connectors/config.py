@@ -68,6 +68,10 @@ class ConnectorConfig:
     lease_renew_after_s: float = 0.5
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
+    # D: a failed load whose transfer may still move bytes is reported to vLLM only once it ended
+    # (kv_connectors.consumer.tasks: SETTLING); past this it is counted and logged as quarantined,
+    # its blocks still held until the transport or the producer says no byte can land.
+    settle_timeout_s: float = 30.0
     mode: TransferMode = TransferMode.PULL
     nixl_backend: str = "UCX"
     progress_delay_us: int = 1000
@@ -180,6 +184,7 @@ _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
     "lease_renew_after_s": _positive_float,
     "handshake_timeout_s": _positive_float,
     "transfer_timeout_s": _positive_float,
+    "settle_timeout_s": _positive_float,
     "mode": _mode,
     "nixl_backend": _choice(_NIXL_BACKENDS),
     "progress_delay_us": _non_negative_int,

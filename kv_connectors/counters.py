@@ -67,6 +67,17 @@ class Counters(msgspec.Struct, frozen=True):
     lease_renewals: Annotated[
         int, _counter("Prefill leases this (decode) instance kept alive for requests waiting in its queue.")
     ] = 0
+    settled_loads: Annotated[
+        int,
+        _counter("Failed KV loads reported only after their transfer settled (an operation was still in flight)."),
+    ] = 0
+    settling_loads: Annotated[
+        int, _gauge("Failed KV loads waiting for their transfer to settle before vLLM is told (their blocks held).")
+    ] = 0
+    quarantined_loads: Annotated[
+        int, _gauge("Settling KV loads past settle_timeout_s: their transfer has not ended; the blocks stay held.")
+    ] = 0
+    quarantined_bytes: Annotated[int, _gauge("KV bytes held by quarantined loads.")] = 0
     idle_steps: Annotated[
         int, _counter("Engine steps that scheduled no token while requests waited on the connector (each may wait briefly).")
     ] = 0
@@ -115,6 +126,7 @@ class Phase(enum.Enum):
     CLAIM = "load_claim"
     READ = "load_read"
     TOTAL = "load_total"
+    SETTLE = "load_settle"
     LEASE_HOLD = "lease_hold"
 
 
@@ -124,5 +136,6 @@ PHASE_HELP: dict[Phase, str] = {
     Phase.CLAIM: "Decode, pull: the fence (the lease words' read after the data, or the lease claim's round trip).",
     Phase.READ: "Decode: from post until the KV bytes landed (push: until the prefill instance's notice).",
     Phase.TOTAL: "Decode: from the KV load's start until it counted (handshake + transfer).",
+    Phase.SETTLE: "Decode: from a KV load's failure until its transfer settled (no byte of it could land any more).",
     Phase.LEASE_HOLD: "Prefill: how long KV blocks were held for a decode instance (until freed or expired).",
 }

@@ -19,6 +19,11 @@ class HandshakeError(KVConnectorError):
     """The side-channel handshake with a peer failed (unreachable, timed out, bad answer)."""
 
 
+class NoAnswerError(HandshakeError):
+    """A side-channel request got no answer (timed out, connection failed): it may still have
+    reached the peer and be acted on there."""
+
+
 class IncompatiblePeerError(HandshakeError):
     """The peer's compatibility hash or wire version differs from ours."""
 

@@ -8,7 +8,7 @@ one-sided read of a few bytes, posted only once the data read is complete): if e
 equals the lease's, the lease had not ended when the words were read, so every byte of the data
 read, which began after P answered the prefill, is the prompt's KV. Any other value (the lease
 not added yet, ended, or a block shared with a later lease) proves nothing, and D falls back to
-claiming the lease over the side channel (`kv_connectors.receiver`).
+claiming the lease over the side channel (`kv_connectors.consumer.pull`).
 
 D reads the words into a scratch array of its own, one word per block of D's cache, each at the
 D block its P block is paired with (a D block belongs to one load at a time), so a load's words

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -15,6 +16,7 @@ from kv_connectors.errors import (
     HandshakeError,
     IncompatiblePeerError,
     KVConnectorError,
+    NoAnswerError,
     SideChannelBindError,
     UnauthenticatedPeerError,
 )
@@ -26,6 +28,7 @@ _limited = RateLimitedLog(logger)
 Handler = Callable[[wire.Body], wire.Body]
 
 _POLL_MS = 100
+_LISTEN_PROBE_S = 1.0
 DEFAULT_MAX_MSG_BYTES = 16 * 1024 * 1024  # far above any legitimate message (handshakes are KiBs)
 
 
@@ -155,10 +158,10 @@ def _exchange(
             sock.connect(address)
         sock.send(wire.seal(wire.encode(body, compat_hash), secret))
         if not sock.poll(int(timeout_s * 1000)):
-            raise HandshakeError(f"no answer from side channel {address} within {timeout_s:g} s (peer down?)")
+            raise NoAnswerError(f"no answer from side channel {address} within {timeout_s:g} s (peer down?)")
         data = sock.recv()
     except zmq.ZMQError as e:
-        raise HandshakeError(f"side channel {address}: {e.strerror}") from e
+        raise NoAnswerError(f"side channel {address}: {e.strerror}") from e
     return reply_of(data, body, compat_hash, secret, address)
 
 
@@ -170,6 +173,11 @@ class Client(Protocol):
     ) -> concurrent.futures.Future[wire.Body]: ...
 
     def forget(self, host: str, port: int) -> None: ...
+
+    def listening(self, host: str, port: int) -> concurrent.futures.Future[bool]:
+        """Whether a process listens at the address (a TCP connect; a stopped process's socket still
+        accepts, a dead one's refuses): False says the peer's process is gone."""
+        ...
 
     def close(self) -> None: ...
 
@@ -192,6 +200,7 @@ class SideChannelClient:
         self._secret = secret or None
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self._shared = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sidechannel")
+        self._probes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvc-sc-probe")
 
     def submit(
         self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
@@ -218,6 +227,10 @@ class SideChannelClient:
             sock.close(0)
             raise
 
+    def listening(self, host: str, port: int) -> concurrent.futures.Future[bool]:
+        """A TCP connect to the address, on a thread of its own (not behind a frozen peer's requests)."""
+        return self._probes.submit(listening, host, port)
+
     def forget(self, host: str, port: int) -> None:
         """End the address's thread once its request in flight (if any) is over; queued ones are
         cancelled. A later request to it starts a new one."""
@@ -233,8 +246,22 @@ class SideChannelClient:
         for lane in self._lanes.values():
             lane.executor.shutdown(wait=False, cancel_futures=True)
         self._shared.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)
         # The peer threads' sockets are theirs to use until they end (a zmq socket is not thread-safe):
         # left to the garbage collector, with LINGER 0.
+
+
+def listening(host: str, port: int, timeout_s: float = _LISTEN_PROBE_S) -> bool:
+    """Whether something accepts TCP connections at the address. Refused: no process listens
+    there (the peer's process is gone); a stopped process's listening socket still accepts, and a
+    host that does not answer in timeout_s counts as listening (not known to be gone)."""
+    try:
+        socket.create_connection((host.strip("[]"), port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def reply_of(data: bytes, body: wire.Body, compat_hash: str, secret: bytes | None, address: str) -> wire.Body:

@@ -13,9 +13,10 @@ from kv_connectors.errors import HandshakeError, IncompatiblePeerError, Unauthen
 from kv_connectors.layout import Cells, KVLayout, Part, Region
 
 # Wire history: 1 = handshake, push, notifications; 2 = claims (the fence), renewals, epochs, MACs;
-# 3 = Mooncake transport metadata carries the registered ranges, the error code set is closed.
+# 3 = Mooncake transport metadata carries the registered ranges, the error code set is closed;
+# 4 = push requests name their attempt and D's budget, D aborts a push and P confirms it settled.
 # A peer of another version is refused at the handshake with "upgrade both sides".
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 MAX_ADDRESS = 2**63  # planned addresses are int64
 _MAX_HEADS = 2**16  # KV heads a peer may claim to hold (head indices are planned as int64)
 
@@ -217,6 +218,24 @@ class PushRequest(msgspec.Struct, frozen=True, tag="push"):
     # params.prompt_digest of D's prompt tokens P's KV is to cover (all of them in the transfer-id
     # flow): P refuses to write another prompt's KV, e.g. under a transfer id a router reused.
     prompt_digest: str = ""
+    attempt: str = ""  # names this request (unique per D task): an AbortPush for it refuses it at P for good
+    budget_s: float = 0.0  # how long D waits for the write from P's answer on (0: P's own timeout)
+
+
+class AbortPush(msgspec.Struct, frozen=True, tag="abort_push"):
+    """D -> P: D gives up on a push request (any copy of it, arrived or still to come). P never
+    starts a write for it from now on, and answers `PushSettled(settled=True)` once no write of it
+    is in flight; until then D keeps the blocks from vLLM and asks again."""
+
+    producer_request_id: str
+    consumer_agent: str
+    consumer_request_id: str
+    attempt: str
+
+
+class PushSettled(msgspec.Struct, frozen=True, tag="push_settled"):
+    settled: bool  # no write of the aborted request is in flight at P, and none can start
+    epoch: str = ""  # the answering producer process
 
 
 class ClaimItem(msgspec.Struct, frozen=True, array_like=True):
@@ -268,6 +287,7 @@ class TransferDone(msgspec.Struct, frozen=True, tag="done"):
     error: str = ""
     runs: int = 0  # push: descriptors (coalesced runs) P wrote
     rank: int = 0  # the sender's tensor-parallel rank (P frees blocks once every reading D rank is done)
+    attempt: str = ""  # push: the PushRequest.attempt this answers (a notice of another attempt is not ours)
 
 
 Body = (
@@ -283,6 +303,8 @@ Body = (
     | ClaimReply
     | RenewRequest
     | RenewReply
+    | AbortPush
+    | PushSettled
 )
 
 # Message kinds that carry no compatibility check (monitoring tools do not know the hash).

@@ -17,17 +17,18 @@ import msgspec
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, Staging
+from kv_connectors.consumer.receiver import Receiver
+from kv_connectors.consumer.renewer import Renewer
+from kv_connectors.consumer.tasks import FailReason, RecvKind, RecvTask
 from kv_connectors.counters import Phase
 from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError, TransportError
 from kv_connectors.fence import LeaseWords
 from kv_connectors.idle import IdlePacer
 from kv_connectors.layout import KVLayout, reader_count, source_ranks
 from kv_connectors.logutil import RateLimitedLog
-from kv_connectors.receiver import Receiver
-from kv_connectors.renewer import Renewer
-from kv_connectors.sender import Sender
+from kv_connectors.producer.admission import tp_refusal
+from kv_connectors.producer.sender import Sender
 from kv_connectors.specs import RecvSpec, StepMetadata
-from kv_connectors.state import FailReason, RecvKind, RecvTask
 from kv_connectors.transports.base import MemoryKind, Transport
 from kv_connectors.transports.staging import StagedTransport
 
@@ -69,6 +70,11 @@ class _WakingClient:
 
     def forget(self, host: str, port: int) -> None:
         self._inner.forget(host, port)
+
+    def listening(self, host: str, port: int) -> concurrent.futures.Future[bool]:
+        future = self._inner.listening(host, port)
+        future.add_done_callback(lambda _f: self._wake())
+        return future
 
     def close(self) -> None:
         self._inner.close()
@@ -272,15 +278,18 @@ class WorkerEngine:
         if self._server is None or self._transport is None or self._sender is None:
             return wire.ErrorReply(wire.ErrorCode.NOT_READY, "KV cache not registered yet")
         assert self._layout is not None and self._compat is not None
+        admission = self._sender.admission
         if isinstance(body, wire.PushRequest):
-            return self._sender.on_push(body)
+            return admission.on_push(body)
+        if isinstance(body, wire.AbortPush):
+            return admission.on_abort(body)
         if isinstance(body, wire.ClaimRequest):
-            return self._sender.on_claim(body)
+            return admission.on_claim(body)
         if isinstance(body, wire.RenewRequest):
-            return self._sender.on_renew(body)
+            return admission.on_renew(body)
         if not isinstance(body, wire.HandshakeRequest):
             return wire.ErrorReply(wire.ErrorCode.BAD_REQUEST, f"unexpected {type(body).__name__}")
-        why = self._tp_refusal(body)
+        why = tp_refusal(body, self._rank, self._tp_size, self._compat.num_kv_heads, self._layout)
         if why:
             logger.error("refused peer %s: %s", body.engine_id, why)
             return wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, why)
@@ -300,26 +309,6 @@ class WorkerEngine:
             tp_size=self._tp_size,
             lease_words=0 if self._words is None else self._words.base,
         )
-
-    def _tp_refusal(self, body: wire.HandshakeRequest) -> str:
-        """Why a consumer rank may not read from this rank ("" if it may): it must hold some of our
-        heads, and both layouts must tell heads apart where the TP sizes differ."""
-        if (body.rank, body.tp_size) == (self._rank, self._tp_size):
-            return ""
-        assert self._compat is not None and self._layout is not None
-        sizes = f"server rank {self._rank} of tensor_parallel_size {self._tp_size}, client rank {body.rank} of {body.tp_size}"
-        if body.tp_size == self._tp_size:
-            return f"tensor-parallel ranks differ: {sizes} (each decode rank reads the prefill rank of its number)"
-        if self._layout.cells is None or body.layout is None or body.layout.cells is None:
-            return f"tensor parallelism differs ({sizes}) and a KV layout does not tell heads apart"
-        try:
-            reader_count(self._compat.num_kv_heads, self._tp_size, body.tp_size, self._rank)
-            sources = source_ranks(self._compat.num_kv_heads, self._tp_size, body.tp_size, body.rank)
-        except ConfigError as e:
-            return f"tensor parallelism cannot be mapped ({sizes}): {e}"
-        if self._rank not in sources:
-            return f"tensor parallelism differs ({sizes}): that decode rank reads prefill ranks {sources}"
-        return ""
 
     # per step ---------------------------------------------------------------------------------
     def start_load(self, meta: StepMetadata | None) -> None:
@@ -366,7 +355,7 @@ class WorkerEngine:
     def _fail_load(self, rid: str, reason: FailReason, message: str) -> None:
         """A load that fails before it reaches any producer: reported failed at the next results."""
         assert self._receiver is not None
-        task = RecvTask(rid, ("", "", 0), "", [], [], self._clock())
+        task = RecvTask(rid, RecvSpec(("", "", 0), "", (), ()), self._clock())
         task.fail(reason, message)
         self._receiver.add(task)
 
@@ -427,23 +416,15 @@ class WorkerEngine:
             self._receiver.add(
                 RecvTask(
                     request_id=sub,
-                    kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
-                    peer_key=self._rank_key(spec.peer_key, p_rank),
-                    remote_request_id=spec.remote_request_id,
-                    local_block_ids=list(spec.local_block_ids),
-                    remote_block_ids=list(spec.remote_block_ids),
+                    spec=spec,
                     deadline=deadline,
-                    started=now,
-                    created=now,
-                    queued_s=spec.queued_s,
+                    kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
+                    peer=self._rank_key(spec.peer_key, p_rank),
                     remote_rank=p_rank,
                     remote_tp_size=src_tp,
                     group=rid if len(sources) > 1 else "",
-                    first_token=spec.first_token,
-                    num_tokens=spec.num_tokens,
-                    local_first_token=spec.local_first_token,
-                    remote_first_token=spec.remote_first_token,
-                    prompt_digest=spec.prompt_digest,
+                    started=now,
+                    created=now,
                 )
             )
 
@@ -491,7 +472,7 @@ class WorkerEngine:
                 continue
             if not isinstance(body, wire.TransferDone):
                 continue
-            if not self._receiver.on_done_notice(body.request_id, body.error, body.runs):
+            if not self._receiver.on_done_notice(body.request_id, body.error, body.runs, body.attempt):
                 self._notices.append(body)
         self._receiver.progress()
         self._sender.progress()
@@ -595,6 +576,7 @@ class WorkerEngine:
     def _snapshot(self) -> wire.StatsReply:
         assert self._receiver is not None and self._sender is not None
         t, leases = self._receiver.totals, self._sender.leases
+        settling, quarantined, quarantined_bytes = self._receiver.settling()
         return wire.StatsReply(
             engine_id=self._cfg.engine_id,
             rank=self._rank,
@@ -618,6 +600,10 @@ class WorkerEngine:
             reads_fenced_by_words=self._receiver.fenced_by_words,
             lease_renewals=self._renewer.renewals if self._renewer is not None else 0,
             idle_steps=self._idle_steps,
+            settled_loads=t.settled,
+            settling_loads=settling,
+            quarantined_loads=quarantined,
+            quarantined_bytes=quarantined_bytes,
             **self._staging_stats(),
         )
 

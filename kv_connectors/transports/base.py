@@ -38,6 +38,9 @@ class MemoryKind(enum.Enum):
 class Transport(Protocol):
     """Moves planned byte runs between this process's registered KV cache and a connected peer's.
 
+    A transfer is over only when its engine says so: `poll` DONE, or `settled` after a failure or
+    an abort. Until then its memory (ours and the peer's) may still be read or written.
+
     Every method raises only kv_connectors.errors types (TransportError and subclasses).
     Not thread-safe: one thread drives a transport.
     """
@@ -67,8 +70,19 @@ class Transport(Protocol):
     def poll(self, handle: Any) -> XferState:
         """Progress of a posted transfer; raises PeerDisconnectedError / TransportError on failure."""
 
+    def abort(self, handle: Any) -> None:
+        """Stop what of a transfer has not started yet, where the engine can (Mooncake: its later
+        batches; NIXL and UCX: nothing, RMA cannot be cancelled). Bytes already submitted may still
+        move: ask `settled` until it says so. Never raises."""
+
+    def settled(self, handle: Any) -> bool:
+        """Whether no byte of this transfer can move any more: it completed, or it failed in a way
+        its engine guarantees stopped it (each transport says which). Never raises."""
+
     def release(self, handle: Any) -> None:
-        """Free a handle; aborts the transfer if it is still in progress. Never raises."""
+        """Forget a handle. It does not stop the bytes: a transfer released before it settled may
+        still read or write its memory later (UCX cannot cancel RMA, Mooncake finishes a submitted
+        batch); memory it writes is safe to reuse only once `settled` said so. Never raises."""
 
     def send_notif(self, peer_name: str, msg: bytes) -> None:
         """Send a small message to a connected peer (no data transfer)."""

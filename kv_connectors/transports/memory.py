@@ -15,7 +15,7 @@ import numpy as np
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.errors import (
-    HandshakeError,
+    NoAnswerError,
     PeerDisconnectedError,
     SideChannelBindError,
     TransportError,
@@ -32,10 +32,19 @@ class MemoryFabric:
     """What connects in-process peers: their transports by name, their side channels by address.
 
     Faults: `frozen` names agents whose transfers never complete and whose side channel never
-    answers; `dead` names agents whose transfers and side channel fail at once."""
+    answers; `dead` names agents whose transfers and side channel fail at once.
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    As the real engines: `release()` and `abort()` do not stop a transfer (UCX cannot cancel RMA,
+    Mooncake finishes a submitted batch). A released transfer stays `loose` and still lands once
+    it can (its peer not frozen, its delay passed), the next time anything on the fabric is
+    polled or `drive()` runs; it ends without moving a byte only if a side dies or closes.
+    `aborting=True` gives the old behaviour of this fake (release and abort stop it at once)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, aborting: bool = False) -> None:
         self.clock = clock
+        self.aborting = aborting
+        self.loose: list[MemoryXfer] = []  # released before they ended: still moving
+        self.landed_late = 0  # loose transfers whose bytes landed after their release
         self.agents: dict[str, MemoryTransport] = {}
         self.servers: dict[tuple[str, int], MemoryServer] = {}
         self.frozen: set[str] = set()  # agent names or "host:port" side-channel addresses
@@ -62,6 +71,19 @@ class MemoryFabric:
 
     def client(self) -> MemoryClient:
         return MemoryClient(self)
+
+    def drive(self) -> int:
+        """What the engines do in the background: every loose transfer that can complete now does
+        (its bytes land, its notification goes out). Returns how many landed."""
+        landed = 0
+        for xfer in list(self.loose):
+            assert xfer.owner is not None
+            xfer.owner._try_complete(xfer)
+            if xfer.state is XferState.DONE or xfer.error is not None:
+                self.loose.remove(xfer)
+                landed += xfer.state is XferState.DONE
+        self.landed_late += landed
+        return landed
 
 
 @dataclasses.dataclass
@@ -104,11 +126,17 @@ class MemoryClient:
     def _request(self, host: str, port: int, body: wire.Body, compat_hash: str) -> wire.Body:
         server = self._fabric.servers.get((host, port))
         if server is None or f"{host}:{port}" in self._fabric.dead:
-            raise HandshakeError(f"no answer from side channel {host}:{port} (peer down?)")
+            raise NoAnswerError(f"no answer from side channel {host}:{port} (peer down?)")
         return sidechannel.reply_of(server.answer(wire.encode(body, compat_hash)), body, compat_hash, None, f"{host}:{port}")
 
     def forget(self, host: str, port: int) -> None:
         self._fabric.forgotten.append((host, port))
+
+    def listening(self, host: str, port: int) -> concurrent.futures.Future[bool]:
+        """A server is there and not dead (a frozen one's socket still accepts)."""
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        future.set_result((host, port) in self._fabric.servers and f"{host}:{port}" not in self._fabric.dead)
+        return future
 
     def close(self) -> None:
         pass
@@ -124,6 +152,8 @@ class MemoryXfer:
     target: MemoryTransport | None = None  # the peer incarnation posted to
     state: XferState = XferState.IN_PROGRESS
     error: TransportError | None = None
+    owner: MemoryTransport | None = None  # the transport that posted it
+    released: bool = False
 
 
 class MemoryTransport:
@@ -186,7 +216,7 @@ class MemoryTransport:
         _check(peer._ranges, remote, plan.length, f"{peer_name}'s memory")
         _check(self._ranges, local, plan.length, "our memory")
         self.posted += 1
-        xfer = MemoryXfer(peer_name, read, plan, notif, self._fabric.clock() + self.delay_s, peer)
+        xfer = MemoryXfer(peer_name, read, plan, notif, self._fabric.clock() + self.delay_s, peer, owner=self)
         self._try_complete(xfer)
         return xfer
 
@@ -211,14 +241,35 @@ class MemoryTransport:
             self.send_notif(xfer.peer_name, xfer.notif)
 
     def poll(self, handle: MemoryXfer) -> XferState:
+        if handle.released:
+            raise TransportError("handle was released (its transfer may still land)")
+        self._fabric.drive()
         self._try_complete(handle)
         if handle.error is not None:
             raise handle.error
         return handle.state
 
+    def abort(self, handle: MemoryXfer) -> None:
+        """Aborting fabric: ends the transfer now. Otherwise, as UCX's RMA: nothing."""
+        if self._fabric.aborting and not self.settled(handle):
+            handle.error = TransportError("aborted before completion")
+
+    def settled(self, handle: MemoryXfer) -> bool:
+        """Completed, or ended without moving a byte (a side died or closed; aborted on an aborting fabric)."""
+        if not handle.released:
+            self._try_complete(handle)
+        return handle.state is XferState.DONE or handle.error is not None
+
     def release(self, handle: MemoryXfer) -> None:
-        if handle.state is not XferState.DONE and handle.error is None:
+        if handle.released:
+            return
+        handle.released = True
+        if self.settled(handle):
+            return
+        if self._fabric.aborting:
             handle.error = TransportError("released before completion")
+        else:
+            self._fabric.loose.append(handle)  # it runs on: its bytes may still land
 
     def send_notif(self, peer_name: str, msg: bytes) -> None:
         peer = self._peer(peer_name)
@@ -227,6 +278,7 @@ class MemoryTransport:
     def get_notifs(self) -> list[tuple[str, bytes]]:
         if self._closed:
             raise TransportError(f"memory transport {self.name} is closed")
+        self._fabric.drive()
         out, self._inbox = self._inbox, []
         return out
 

@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import importlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -41,6 +42,8 @@ _NO_SEGMENT = (1 << 64) - 1  # batch id returned by batch_transfer_async_* when 
 _PROBE_TIMEOUT_S = 1.0
 _SLOW_FAILURE_S = 5.0  # the engine's transfer timeout is >= 5 s: a later failure of a live peer timed out
 _JOIN_S = 2.0
+_ENGINE_TIMEOUT_S = 600  # MC_TRANSFER_TIMEOUT unless set (see MooncakeTransport)
+_WATCH_S = 1.0  # how often a peer whose failed batch may still land is probed
 # get_batch_transfer_status spins a core until the batch ends, starving the engine's own TCP threads
 # on small hosts: a peer thread first sleeps this fraction of the batch's expected time (from the
 # speed seen for runs of that size): ~1.5x the scattered-block throughput on 2 cores.
@@ -101,6 +104,9 @@ class MooncakeXfer:
     _error: TransportError | None = None
     _cancelled: bool = False
     _quiet: bool = False  # True for send_notif's internal jobs: errors are logged, nobody polls them
+    _in_engine: bool = False  # a batch of it is inside the engine (submitted, not returned OK)
+    _ended: bool = False  # no byte of it can move any more (settled)
+    _session: str = ""  # the peer's engine address, probed while a failed batch may still land
 
 
 def _encode_notif(msg: bytes) -> str:
@@ -148,8 +154,10 @@ class _PeerWorker:
         scratch: np.ndarray,
         max_batch: int,
         metadata: bytes,
+        watch: Any = None,
     ) -> None:
         self.peer_name = peer_name
+        self._watch = watch  # called with a job whose failed batch may still move bytes
         self.info = info
         self.ranges = Ranges(info.ranges)  # what the peer registered, for checking its side of our plans
         self.metadata = metadata  # exactly what connect() got: equal bytes mean the same peer incarnation
@@ -200,6 +208,11 @@ class _PeerWorker:
     def _fail(self, job: MooncakeXfer, err: TransportError) -> None:
         if job._state is not XferState.DONE and job._error is None:
             job._error = err
+        if not job._in_engine:
+            job._ended = True  # failed before or between batches, or its peer is gone
+        elif self._watch is not None:
+            job._session = self.info.session_id
+            self._watch(job)  # settled once the peer's process is gone (see MooncakeTransport)
         if job._quiet:
             logger.warning("Mooncake %s: notification to %s failed: %s", self._owner, self.peer_name, err)
 
@@ -226,6 +239,7 @@ class _PeerWorker:
                 raise self._failure(job, "notification", f"rc {rc}", started)
         job._plan = None
         job._state = XferState.DONE
+        job._ended = True
 
     def _check_going(self, job: MooncakeXfer, where: str) -> None:
         if job._cancelled:
@@ -241,7 +255,10 @@ class _PeerWorker:
         nbytes = sub.total_bytes
         size_class = (nbytes // sub.num_runs).bit_length()  # runs of similar size move at similar speed
         started = time.monotonic()
+        job._in_engine = True
         batch_id = submit(self.info.session_id, local.tolist(), remote.tolist(), sub.length.tolist())
+        if batch_id in (_NO_SEGMENT, 0):
+            job._in_engine = False  # nothing was submitted
         if batch_id == _NO_SEGMENT:
             raise PeerDisconnectedError(
                 f"Mooncake {job.op} with {self.peer_name}: cannot open its segment {self.info.session_id} (peer unreachable)"
@@ -255,6 +272,7 @@ class _PeerWorker:
         rc = self._engine.get_batch_transfer_status([batch_id])  # busy-waits until done or failed
         if rc != 0:
             raise self._failure(job, f"batch of {sub.num_runs} runs", f"rc {rc}", started)
+        job._in_engine = False
         seen = nbytes / max(time.monotonic() - started, 1e-6)
         # Leans to the fastest recent speed, so a nap rarely outlasts the batch.
         self._speed[size_class] = seen if speed is None else max(seen, (speed + seen) / 2)
@@ -265,6 +283,7 @@ class _PeerWorker:
         sid = self.info.session_id
         prefix = f"Mooncake {job.op} with {self.peer_name} ({sid}): {what} failed, {code} after {elapsed:.2f} s"
         if not _reachable(sid):
+            job._in_engine = False  # its process is gone: nothing more of the batch can arrive
             return PeerDisconnectedError(f"{prefix}; the peer is gone (its port refuses connections)")
         if elapsed >= _SLOW_FAILURE_S:
             return TransferTimeoutError(f"{prefix}; the peer is reachable but did not answer in time (frozen?)")
@@ -282,8 +301,18 @@ class MooncakeTransport:
     per peer), then sends the notification (Mooncake's notify, carried by a 1-byte read), so it
     reaches the peer after all data. The engine's status wait spins a core: the thread naps through
     most of each batch first. A dead peer fails in ~0.1-2 s (PeerDisconnectedError), a frozen one
-    after the engine's timeout (MC_TRANSFER_TIMEOUT, 30 s; TransferTimeoutError). release() cannot
-    abort a submitted batch: it stops at the next. Not thread-safe: one thread drives a transport.
+    after the engine's timeout (MC_TRANSFER_TIMEOUT; TransferTimeoutError). Not thread-safe: one
+    thread drives a transport.
+
+    Nothing stops a submitted batch: abort() and release() only keep later batches from starting,
+    and the engine's own timeout error does not end the batch either (measured over TCP: a 32 MiB
+    read failed with the peer stopped, and after the peer resumed its bytes kept landing for up to a
+    second, while a 1-block read posted after the resume completed in 4-13 ms, so a later transfer
+    proves nothing). So settled() is true only once the job completed, failed before or between
+    batches, or its peer's process is gone (its port refuses connections, probed every second while
+    a failed batch may still land; or a new incarnation replaced it). MC_TRANSFER_TIMEOUT defaults
+    to _ENGINE_TIMEOUT_S here (unless set): a stalled peer that resumes then completes the batch
+    (settled) instead of failing it with the bytes still on their way.
     """
 
     def __init__(
@@ -293,6 +322,7 @@ class MooncakeTransport:
             raise ConfigError("Mooncake transport name must be a non-empty string")
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 (runs per engine batch), got {max_batch}")
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(_ENGINE_TIMEOUT_S))  # read by each new engine
         mc = _load_mooncake()
         with _NAMES_LOCK:
             if name in _NAMES:
@@ -303,6 +333,9 @@ class MooncakeTransport:
         self._max_batch = max_batch
         self._peers: dict[str, _PeerWorker] = {}
         self._live: dict[int, MooncakeXfer] = {}
+        self._watched: list[MooncakeXfer] = []  # failed jobs whose batch may still land: until their peer is gone
+        self._watch_cv = threading.Condition()
+        self._watcher: threading.Thread | None = None
         self._registered: list[tuple[int, int]] = []  # (start, end) of every range registered with the engine
         self._ranges = Ranges()  # the same, for checking our side of each plan
         self._scratch = np.zeros(_SCRATCH_BYTES, dtype=np.uint8)
@@ -352,9 +385,9 @@ class MooncakeTransport:
         old = self._peers.get(peer_name)
         if old is not None and old.metadata == peer_metadata:
             return  # same incarnation
-        self._forget(peer_name, "replaced by a new connection")
+        self._forget(peer_name, "replaced by a new connection", replaced=old is not None)
         self._peers[peer_name] = _PeerWorker(
-            self.name, self._engine, self._mc, peer_name, info, self._scratch, self._max_batch, bytes(peer_metadata)
+            self.name, self._engine, self._mc, peer_name, info, self._scratch, self._max_batch, bytes(peer_metadata), self._watch
         )
         logger.info("Mooncake %s connected to %s at %s", self.name, peer_name, info.session_id)
 
@@ -383,7 +416,7 @@ class MooncakeTransport:
             peer_name, op, plan.num_runs, plan.total_bytes, batches, plan, _encode_notif(notif) if notif else None
         )
         if plan.num_runs == 0 and not notif:
-            handle._state = XferState.DONE
+            handle._state, handle._ended = XferState.DONE, True
             return handle
         worker.submit(handle)
         self._live[id(handle)] = handle
@@ -423,8 +456,40 @@ class MooncakeTransport:
         self._require_open()
         return XferState.IN_PROGRESS
 
+    def abort(self, handle: MooncakeXfer) -> None:
+        """Start no further batch of it (the one in the engine runs on). Never raises."""
+        handle._cancelled = True
+
+    def settled(self, handle: MooncakeXfer) -> bool:
+        """Completed, failed with no batch in the engine, or its peer's process is gone (see the class)."""
+        return handle._ended
+
+    def _watch(self, job: MooncakeXfer) -> None:
+        """(Peer thread) a failed batch may still land: watch its peer until its process is gone."""
+        with self._watch_cv:
+            self._watched.append(job)
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_loop, name=f"mooncake-{self.name}-settle", daemon=True)
+                self._watcher.start()
+            self._watch_cv.notify()
+
+    def _watch_loop(self) -> None:
+        while True:
+            with self._watch_cv:
+                self._watch_cv.wait_for(lambda: self._watched or self._engine is None, timeout=_WATCH_S)
+                if self._engine is None:
+                    return
+                jobs = list(self._watched)
+            for job in jobs:
+                if not job._ended and _reachable(job._session):
+                    continue
+                job._ended = True  # the peer's process is gone (or a new one replaced it): nothing more can land
+                with self._watch_cv:
+                    self._watched.remove(job)
+            time.sleep(_WATCH_S)
+
     def release(self, handle: MooncakeXfer) -> None:
-        """Forget a handle; an unfinished transfer stops after its current batch. Never raises."""
+        """Forget a handle; an unfinished transfer starts no further batch (the one in the engine runs on). Never raises."""
         self._live.pop(id(handle), None)
         handle._cancelled = True
         if handle._state is not XferState.DONE and handle._error is None:
@@ -453,6 +518,8 @@ class MooncakeTransport:
         if engine is None:
             return
         self._engine = None
+        with self._watch_cv:
+            self._watch_cv.notify_all()  # the settle watcher ends
         try:
             for handle in list(self._live.values()):
                 self.release(handle)
@@ -501,8 +568,9 @@ class MooncakeTransport:
             raise TransportError(f"Mooncake peer {peer_name!r} is not connected (call connect first)")
         return worker
 
-    def _forget(self, peer_name: str, why: str) -> None:
-        """Stop the peer's thread (queued transfers fail with PeerDisconnectedError) and drop it."""
+    def _forget(self, peer_name: str, why: str, replaced: bool = False) -> None:
+        """Stop the peer's thread (queued transfers fail with PeerDisconnectedError) and drop it.
+        replaced: a new incarnation took its name, so the old process and its transfers are gone."""
         worker = self._peers.pop(peer_name, None)
         if worker is None:
             return
@@ -510,4 +578,5 @@ class MooncakeTransport:
         for handle in [h for h in self._live.values() if h.peer_name == peer_name]:
             if handle._state is not XferState.DONE and handle._error is None:
                 handle._error = PeerDisconnectedError(f"{handle.op} with {peer_name}: peer {why}")
+            handle._ended = handle._ended or replaced or not handle._in_engine
             self._live.pop(id(handle), None)

@@ -132,6 +132,9 @@ class NixlXfer:
     _xfer: Any = None  # nixl_xfer_handle; None once released or for a notification-only transfer
     _state: XferState = XferState.IN_PROGRESS
     _error: TransportError | None = None
+    # NIXL said the request ended (DONE, or it completed with an error), or its peer was replaced by
+    # a new incarnation (the old process, whose memory it moved, is gone)
+    _ended: bool = False
 
 
 def _decode_metadata(data: bytes) -> _AgentInfo:
@@ -184,8 +187,13 @@ class NixlTransport:
     """Transport on one NIXL agent. Deadline-free: poll() never blocks; callers enforce deadlines.
 
     A dead peer surfaces as PeerDisconnectedError from post_*/poll within a fraction of a second;
-    a frozen peer can stay IN_PROGRESS forever, so the caller must give up and release() the
-    handle (which asks NIXL to abort). Not thread-safe: one thread drives a transport.
+    a frozen peer can stay IN_PROGRESS forever (over TCP), so the caller gives up on its own clock.
+    Giving up does not stop the bytes: UCX's cancel is a no-op for RMA get/put, and releasing or
+    removing the peer lets the operation run on (measured: a read released while its peer was
+    stopped landed 50 ms after the peer resumed, also after remove_remote_agent). So abort() does
+    nothing, and settled() is true only once NIXL reports the request DONE or ended with an error
+    (UCX completed it), or the peer was replaced by a new incarnation (its old process is gone).
+    Not thread-safe: one thread drives a transport.
     Call local_metadata() after register(): the metadata carries the registered memory.
     Measured on one host (UCX cma): with num_threads=None post_* does the whole copy inline
     before returning; with num_threads >= 1 many-descriptor posts return at once and UCX
@@ -266,7 +274,7 @@ class NixlTransport:
         if old is not None and old.metadata == peer_metadata:
             return  # same incarnation: reloading would only break its in-flight transfers
         # NIXL refuses (NOT_ALLOWED) to load a name it still holds: always forget it first.
-        self._forget(peer_name, "replaced by a new connection")
+        self._forget(peer_name, "replaced by a new connection", replaced=old is not None)
         try:
             loaded = agent.add_remote_agent(info.nixl_md)
         except Exception as e:
@@ -320,7 +328,7 @@ class NixlTransport:
             raise TransportError(f"NIXL rejected {op} of {plan.num_runs} runs with {peer_name} (ERR)")
         handle._xfer = xfer
         if status == "DONE":
-            handle._state = XferState.DONE
+            handle._state, handle._ended = XferState.DONE, True
         self._live[id(handle)] = handle
         logger.debug("NIXL %s %s: %d runs, %d bytes, %s", op, peer_name, plan.num_runs, plan.total_bytes, status)
         return handle
@@ -337,18 +345,35 @@ class NixlTransport:
         try:
             status = agent.check_xfer_state(handle._xfer)
         except Exception as e:
-            handle._error = self._map_error(e, f"{handle.op} with {handle.peer_name}")
+            handle._error, handle._ended = self._map_error(e, f"{handle.op} with {handle.peer_name}"), True
             raise handle._error from e
         if status == "DONE":
-            handle._state = XferState.DONE
+            handle._state, handle._ended = XferState.DONE, True
             return XferState.DONE
         if status == "PROC":
             return XferState.IN_PROGRESS
-        handle._error = TransportError(f"NIXL {handle.op} with {handle.peer_name} failed (state {status})")
+        handle._error, handle._ended = TransportError(f"NIXL {handle.op} with {handle.peer_name} failed (state {status})"), True
         raise handle._error
 
+    def abort(self, handle: NixlXfer) -> None:
+        """Nothing: UCX cannot cancel an RMA operation in flight (ucp_request_cancel covers tag
+        receives only), and releasing the request would only stop us from learning when it ended."""
+
+    def settled(self, handle: NixlXfer) -> bool:
+        """NIXL says the request ended (DONE, or completed with an error), or its peer was replaced."""
+        if handle._ended or handle._state is XferState.DONE:
+            return True
+        if handle._xfer is None or getattr(self, "_agent", None) is None:
+            return False  # released (or closed) before it ended: nobody can tell any more
+        try:
+            self.poll(handle)
+        except TransportError:
+            pass
+        return handle._ended
+
     def release(self, handle: NixlXfer) -> None:
-        """Free a handle; an unfinished transfer is aborted and later polls raise. Never raises."""
+        """Forget a handle (freeing NIXL's request). A transfer released before it settled is not
+        stopped: its bytes may still land (see the class). Later polls raise. Never raises."""
         self._live.pop(id(handle), None)
         xfer, handle._xfer = handle._xfer, None
         if handle._state is not XferState.DONE and handle._error is None:
@@ -419,11 +444,13 @@ class NixlTransport:
             raise TransportError(f"NIXL peer {peer_name!r} is not connected (call connect first)")
         return peer
 
-    def _forget(self, peer_name: str, why: str) -> None:
-        """Abort the peer's in-flight transfers (their handles must not outlive it), then drop it."""
+    def _forget(self, peer_name: str, why: str, replaced: bool = False) -> None:
+        """Release the peer's handles (NIXL's requests must not outlive its remote agent), then drop
+        it. replaced: a new incarnation took its name, so the old process and its transfers are gone."""
         for handle in [h for h in self._live.values() if h.peer_name == peer_name]:
             if handle._state is not XferState.DONE and handle._error is None:
                 handle._error = PeerDisconnectedError(f"{handle.op} with {peer_name}: peer {why}")
+            handle._ended = handle._ended or replaced
             self.release(handle)
         self._peers.pop(peer_name, None)
         self._remove_remote_quietly(peer_name)

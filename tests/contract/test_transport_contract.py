@@ -142,7 +142,8 @@ def test_notifications_both_ways(pair: Pair) -> None:
 
 def test_release_in_flight_and_finished(pair: Pair) -> None:
     """release never raises (also twice); a transfer released before it finished polls as a
-    TransportError; after releases the pair still moves exact bytes (and staging frees every slot)."""
+    TransportError (the handle is forgotten: its bytes may still land, see test_settled_*); after
+    releases the pair still moves exact bytes (and staging frees every slot)."""
     t, p = pair.t, pair.p
     src_ids, dst_ids = pick_blocks(seed=5, n=N_BLOCKS)
     plan = pair.read_plan(src_ids, dst_ids)
@@ -168,6 +169,34 @@ def test_release_in_flight_and_finished(pair: Pair) -> None:
     t.release(again)
     assert_kv_equal(pair.d.storage, expected, "D after a read following the releases")
     pair.wait_p_notif(b"again")
+    pair.wait_slots_free()
+
+
+def test_settled_after_an_abort_means_nothing_more_lands(pair: Pair) -> None:
+    """abort() stops what the engine can stop; the transfer is over only once settled() says so
+    (it may have completed all the same), and from then on its destination never changes again.
+    A completed transfer is settled."""
+    t, p = pair.t, pair.p
+    src_ids, dst_ids = pick_blocks(seed=6, n=N_BLOCKS)
+    plan = pair.read_plan(src_ids, dst_ids)
+    done = t.post_read(p.name, plan, b"")
+    pair.poll_states(done)
+    assert t.settled(done)
+    t.release(done)
+    handle = t.post_read(p.name, plan, b"")
+    t.abort(handle)
+    t.abort(handle)  # idempotent
+    deadline = time.monotonic() + pair.caps.wait_s
+    while not t.settled(handle):
+        assert time.monotonic() < deadline, f"{pair.caps.kind}: an aborted transfer never settled"
+        pair.pump()
+        time.sleep(0.001)
+    seen = [a.copy() for a in pair.d.storage]
+    for _ in range(20):
+        pair.pump()
+        time.sleep(0.002)
+    assert all(np.array_equal(a, b) for a, b in zip(seen, pair.d.storage)), "bytes landed after settled()"
+    t.release(handle)
     pair.wait_slots_free()
 
 

@@ -87,6 +87,9 @@ class HeldClient:
     def forget(self, host: str, port: int) -> None:
         self._inner.forget(host, port)
 
+    def listening(self, host: str, port: int) -> concurrent.futures.Future[bool]:
+        return self._inner.listening(host, port)
+
     def close(self) -> None:
         self._inner.close()
 
@@ -149,6 +152,7 @@ class Cluster:
         heads: int | None = None,
         p_block: int = BLOCK_SIZE,
         d_block: int = BLOCK_SIZE,
+        aborting: bool = False,
     ) -> None:
         """p_tp, d_tp: the TP sizes P's and D's rank 0 (self.p, self.d) run with (add_rank adds the
         others). heads: the model's KV heads; each rank's blocks then hold its slice of them, as
@@ -157,7 +161,7 @@ class Cluster:
         self.heads = heads
         self.block = {"kv_producer": p_block, "kv_consumer": d_block}
         self.clock = FakeClock()
-        self.fabric = MemoryFabric(self.clock)
+        self.fabric = MemoryFabric(self.clock, aborting=aborting)  # aborting: release() stops a transfer (no real engine does)
         self.p = self._node(
             "P", "kv_producer", P_PORT, {"lease_s": 5, "transfer_timeout_s": 10, **(p_extra or {})}, fill=1.0, tp_size=p_tp
         )

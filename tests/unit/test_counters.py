@@ -39,6 +39,10 @@ NAMES = (
     "reads_fenced_by_words",
     "stale_reads_refused",
     "lease_renewals",
+    "settled_loads",
+    "settling_loads",
+    "quarantined_loads",
+    "quarantined_bytes",
     "idle_steps",
 )
 NOT_METRICS = {"recv_seconds"}  # the load-time histogram kvc:transfer_seconds has the durations
@@ -62,7 +66,16 @@ def test_the_definition_keeps_every_name():
     assert {c.name for c in COUNTERS if not c.metric} == NOT_METRICS
     assert all(c.help and c.help.endswith(".") for c in COUNTERS)
     gauges = {c.name for c in COUNTERS if c.kind is Kind.GAUGE}
-    assert gauges == {"held_requests", "held_blocks", "staging_pool_bytes", "staging_peak_bytes", "staging_allocated_bytes"}
+    assert gauges == {
+        "held_requests",
+        "held_blocks",
+        "staging_pool_bytes",
+        "staging_peak_bytes",
+        "staging_allocated_bytes",
+        "settling_loads",
+        "quarantined_loads",
+        "quarantined_bytes",
+    }
 
 
 def test_the_wire_struct_has_every_counter():

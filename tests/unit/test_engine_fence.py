@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from kv_connectors import wire
-from kv_connectors.state import ClaimResult, SendLeases
+from kv_connectors.producer.leases import ClaimResult, SendLeases
 from tests.unit.engine_harness import CLAIM_ONLY, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
@@ -74,11 +74,27 @@ def test_claim_naming_blocks_the_lease_does_not_hold_is_refused():
 
 
 def test_read_slower_than_the_claim_hold_fails():
+    """The read outlives P's hold: the load fails, but only once the read ended (no engine stops a
+    released read: it lands at 30 s), so vLLM never reuses blocks it may still write."""
     c = Cluster(d_extra=CLAIM_ONLY, d_delay_s=30.0)  # the read takes longer than P's hold (its 10 s transfer timeout)
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(2)
     c.clock.advance(9.6)  # past 0.95 of P's 10 s hold, before P's claim ends
+    c.run(2)
+    assert not c.d.failed_recving and c.d.engine.stats.settling_loads == 1, "reported with its read still moving"
+    c.clock.advance(21)  # the read lands
+    c.run(2)
+    assert c.d.failed_recving == {"d1"} and c.d.engine.stats.settled_loads == 1
+    assert c.d.engine.stats.settling_loads == 0
+
+
+def test_read_slower_than_the_claim_hold_fails_at_once_where_release_aborts():
+    c = Cluster(d_extra=CLAIM_ONLY, d_delay_s=30.0, aborting=True)
+    c.prefill_done("r1", P_BLOCKS)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(2)
+    c.clock.advance(9.6)
     c.run(2)
     assert c.d.failed_recving == {"d1"}
     assert not np.array_equal(c.d.block(5), c.p.block(1)), "the aborted read still landed"

@@ -130,6 +130,6 @@ def test_producers_named_by_failed_requests_are_forgotten():
         c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec(peer, "x", (5,), (1,), remote_tp_size=1)}))
     c.run(5)
     assert len(c.d.failed_recving) == 500
-    rx = c.d.engine._receiver
+    rx = c.d.engine._receiver.producers
     assert not rx._peers and not rx._expected
     assert len(c.fabric.forgotten) == 500

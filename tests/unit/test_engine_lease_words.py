@@ -9,7 +9,7 @@ import numpy as np
 
 from kv_connectors import wire
 from kv_connectors.fence import LeaseWords, lease_word
-from kv_connectors.state import SendLeases
+from kv_connectors.producer.leases import SendLeases
 from tests.unit.engine_harness import Cluster
 
 P_BLOCKS = (1, 2, 3)

@@ -166,16 +166,47 @@ def test_layerwise_push_aborted_mid_forward_holds_blocks_until_writes_settle():
 
 
 def test_push_write_to_a_frozen_decoder_times_out_and_frees_p():
+    """P's write into a frozen D times out; no engine stops it, so P holds the blocks it reads and
+    D (its abort answered "not settled") the blocks it writes, until the write ended: it lands when
+    D resumes, and counts (whole and under the lease)."""
     c = Cluster(d_extra={"mode": "push"})
     c.prefill_done("r1", P_BLOCKS)
     c.fabric.frozen.add("D-rank0")
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(3)
     assert not c.p.finished_sending
-    c.clock.advance(11)  # past P's 10 s transfer timeout
+    c.clock.advance(11)  # past P's 10 s transfer timeout, and D's
+    c.run(4)
+    assert not c.p.finished_sending, "P freed blocks its write still reads"
+    assert not c.d.failed_recving and c.d.engine.stats.settling_loads == 1, "D reported with P's write in flight"
+    c.fabric.frozen.discard("D-rank0")
+    c.run(4)
+    assert c.p.finished_sending == {"r1"} and c.d.finished_recving == {"d1"} and not c.d.failed_recving
+    assert np.array_equal(c.d.block(5), c.p.block(1))
+
+
+def test_push_write_to_a_dead_decoder_frees_p_once_the_write_failed():
+    c = Cluster(d_extra={"mode": "push"})
+    c.prefill_done("r1", P_BLOCKS)
+    c.fabric.frozen.add("D-rank0")
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(3)
+    c.clock.advance(11)
+    c.fabric.dead.add("D-rank0")  # its process is gone: the write fails, nothing more can land
+    c.run(2, nodes=(c.p,))
+    assert c.p.finished_sending == {"r1"} and c.p.engine.stats.push_failures == 1
+
+
+def test_push_write_to_a_frozen_decoder_where_release_aborts():
+    c = Cluster(d_extra={"mode": "push"}, aborting=True)
+    c.prefill_done("r1", P_BLOCKS)
+    c.fabric.frozen.add("D-rank0")
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(3)
+    c.clock.advance(11)
     c.run(2)
     assert c.p.finished_sending == {"r1"} and c.p.engine.stats.push_failures == 1
-    assert c.d.failed_recving == {"d1"}  # D's own deadline (and P's failure notice) end it
+    assert c.d.failed_recving == {"d1"}  # P's failure notice (it settled at once) ends it
 
 
 def test_handshake_with_a_frozen_producer_fails_at_its_deadline():
@@ -191,6 +222,8 @@ def test_handshake_with_a_frozen_producer_fails_at_its_deadline():
 
 
 def test_push_request_unanswered_fails_at_the_deadline():
+    """The push request may have reached a stalled P: D aborts it and reports the load failed only
+    once P confirms (here when P's side channel answers again), never on its own clock."""
     c = Cluster(d_extra={"mode": "push"})
     c.prefill_done("r0", (8,))
     Cluster.recv(c.d, "d0", "r0", (9,), (8,))  # hand-shaken
@@ -201,6 +234,29 @@ def test_push_request_unanswered_fails_at_the_deadline():
     c.run(3)
     c.clock.advance(13)
     c.run(2)
+    assert not c.d.failed_recving and c.d.engine.stats.settling_loads == 1
+    c.clock.advance(3)  # the abort's own deadline: asked again
+    c.fabric.frozen.discard(f"127.0.0.1:{P_PORT}")
+    c.run(3, dt=0.06)
+    assert c.d.failed_recving == {"d1"}
+    assert any(isinstance(m, wire.AbortPush) for m in c.fabric.requests)
+
+
+def test_push_request_to_a_producer_that_is_gone_fails_once_nothing_listens_there():
+    c = Cluster(d_extra={"mode": "push"})
+    c.prefill_done("r0", (8,))
+    Cluster.recv(c.d, "d0", "r0", (9,), (8,))
+    c.run()
+    c.prefill_done("r1", P_BLOCKS)
+    c.fabric.frozen.add(f"127.0.0.1:{P_PORT}")
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(3)
+    c.clock.advance(13)
+    c.run(2)
+    assert not c.d.failed_recving
+    c.fabric.dead.add(f"127.0.0.1:{P_PORT}")  # P's process is gone: its socket refuses, its writes died with it
+    c.clock.advance(3)
+    c.run(3, dt=0.06, nodes=(c.d,))
     assert c.d.failed_recving == {"d1"}
 
 
@@ -233,7 +289,7 @@ def test_restarted_producer_refuses_claims_made_with_the_old_handshake():
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run()
     assert c.d.failed_recving == {"d1"}
-    assert PEER not in c.d.engine._receiver._peers  # forgotten: the next request hand-shakes anew
+    assert PEER not in c.d.engine._receiver.producers._peers  # forgotten: the next request hand-shakes anew
 
 
 def test_push_asking_for_more_blocks_than_p_has_is_refused():

@@ -13,9 +13,10 @@ import pytest
 
 from kv_connectors import wire
 from kv_connectors.config import parse_config
+from kv_connectors.consumer.tasks import RecvKind
 from kv_connectors.errors import TransportError
+from kv_connectors.producer.leases import SendLeases
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
-from kv_connectors.state import RecvKind, SendLeases
 from kv_connectors.transports.base import MemoryKind
 from kv_connectors.transports.memory import MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.worker import WorkerEngine
@@ -116,7 +117,7 @@ def test_producer_that_cannot_connect_to_d_fails_the_push_and_frees_at_once_d_at
     once and frees the blocks without waiting for the lease; D, which P cannot notify, fails at its
     own deadline."""
     c = Cluster(d_extra={"mode": "push"})
-    c.d.engine._receiver._local_metadata = b"not D's agent"
+    c.d.engine._receiver.producers._local_metadata = b"not D's agent"
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run()
@@ -227,11 +228,12 @@ def test_closing_p_aborts_its_writes_in_flight():
     assert ("127.0.0.1", P_PORT) not in c.fabric.servers and "P-rank0" not in c.fabric.agents
     c.fabric.frozen.discard("D-rank0")
     with pytest.raises(TransportError, match="released"):
-        c.p.transport.poll(handle)  # released: it never copies
+        c.p.transport.poll(handle)
+    c.fabric.drive()  # P's memory is gone with its transport: it never copies
     assert _untouched(c)
     c.clock.advance(11)
     c.run(2, nodes=(c.d,))
-    assert c.d.failed_recving == {"d1"}  # D's own deadline ends its wait
+    assert c.d.failed_recving == {"d1"}  # D's abort finds nobody at P's address
 
 
 # layer-wise push -----------------------------------------------------------------------------------
@@ -296,7 +298,7 @@ def test_layerwise_cancelled_before_its_first_layer_writes_nothing():
 
 def test_layerwise_write_failing_mid_forward_aborts_the_rest_and_frees_p():
     """Layer 0's write is in flight (slow D) when layer 1's post fails: the push fails, layer 0's
-    write is released (it never lands), D is told, and P frees the blocks once the lease comes."""
+    write runs to its end (no engine stops it), and only then is D told and P frees the blocks."""
     c = Cluster()
     _recv(c.d, "d1", RecvSpec(ANY_P, "xfer-1", D_BLOCKS, ()))
     c.run(2)
@@ -308,10 +310,10 @@ def test_layerwise_write_failing_mid_forward_aborts_the_rest_and_frees_p():
     c.p.engine.on_layer_saved("layer.1")
     c.p.engine.end_of_forward()
     c.p.step()
-    assert c.p.transport.posted == 1 and c.p.engine.stats.push_failures == 1
+    assert c.p.transport.posted == 1 and c.p.engine.stats.push_failures == 0, "D told with layer 0 in flight"
     c.fabric.frozen.discard("D-rank0")
     c.run(2)
-    assert c.d.failed_recving == {"d1"} and _untouched(c), "the released layer-0 write landed"
+    assert c.p.engine.stats.push_failures == 1 and c.d.failed_recving == {"d1"}
     c.p.step(StepMetadata(reqs_to_send={"p-req": SendSpec(P_BLOCKS, "xfer-1")}))
     assert c.p.finished_sending == {"p-req"} and c.p.engine.stats.expired_leases == 0
 
@@ -365,7 +367,7 @@ def test_read_completing_after_the_hold_ends_is_refused(caplog):
     c.run(1)  # the claim is granted: hold 10 s from its sending
     assert not c.d.finished_recving
     c.clock.advance(9.8)  # one step much later: the read is done, past sent_at + 9.5 s
-    with caplog.at_level(logging.ERROR, logger="kv_connectors.receiver"):
+    with caplog.at_level(logging.ERROR, logger="kv_connectors.consumer"):
         c.run(1, nodes=(c.d,))
     assert c.d.failed_recving == {"d1"}
     assert "the read completed after the producer's hold" in caplog.text
@@ -415,9 +417,10 @@ def test_a_bug_in_the_transport_fails_that_load_not_the_step(monkeypatch):
 
     monkeypatch.setattr(c.d.transport, "poll", broken)
     c.run(1, nodes=(c.d,))
-    assert c.d.failed_recving == {"d1"}
+    assert not c.d.finished_recving, "reported with its read in flight"
     monkeypatch.setattr(c.d.transport, "poll", real_poll)
-    c.run(2)
+    c.run(2, dt=0.01)  # the read ends: the failure is reported
+    assert c.d.failed_recving == {"d1"}
     assert "r1" in c.p.finished_sending and c.p.engine.stats.expired_leases == 0  # D's failure notice
     c.prefill_done("r2", P_BLOCKS)
     Cluster.recv(c.d, "d2", "r2", D_BLOCKS, P_BLOCKS)
@@ -449,12 +452,13 @@ def test_closing_d_releases_its_read_in_flight():
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(2)
-    handle = c.d.engine._receiver._tasks[(RecvKind.LOAD, "d1")].xfer
+    handle = c.d.engine._receiver._tasks[(RecvKind.LOAD, "d1")].read.handle
     c.d.engine.close()
     assert ("127.0.0.1", 7002) not in c.fabric.servers and "D-rank0" not in c.fabric.agents
     c.clock.advance(2)
     with pytest.raises(TransportError, match="released"):
-        c.d.transport.poll(handle)  # released: it never copies
+        c.d.transport.poll(handle)
+    c.fabric.drive()  # D's memory is gone with its transport: it never copies
     assert _untouched(c)
 
 
@@ -474,7 +478,7 @@ def test_heartbeats_to_a_dead_side_channel_are_retried(caplog):
     c.prefill_done("r1", P_BLOCKS)
     c.fabric.dead.add(P_SIDE_CHANNEL)
     c.d.step(StepMetadata(renew_start={"d1": (PEER, "r1", None)}))
-    with caplog.at_level(logging.WARNING, logger="kv_connectors.renewer"):
+    with caplog.at_level(logging.WARNING, logger="kv_connectors.consumer.renewer"):
         c.run(4, dt=0.5, nodes=(c.d,))
     assert "could not renew leases" in caplog.text
     assert _requests(c, wire.RenewRequest) >= 2 and c.d.engine.stats.lease_renewals == 0

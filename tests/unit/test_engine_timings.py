@@ -25,7 +25,7 @@ def test_phases_of_one_load_add_up(mode: str, caplog: pytest.LogCaptureFixture) 
     c = Cluster(d_extra={"mode": mode}, d_delay_s=0.05)  # D's transport: each transfer takes 50 ms
     c.prefill_done("r1", P_BLOCKS)
     c.clock.advance(0.2)
-    with caplog.at_level(logging.INFO, logger="kv_connectors.receiver"):
+    with caplog.at_level(logging.INFO, logger="kv_connectors.consumer"):
         _recv(c, queued_s=0.3)
         c.run(40, dt=0.01)
     assert c.d.finished_recving == {"d1"} and not c.d.failed_recving

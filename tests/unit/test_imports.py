@@ -23,20 +23,27 @@ PURE = {
     "params",
     "counters",
     "wire",
-    "state",
     "specs",
     "sidechannel",
     "logutil",
     "transports.base",
-    "receiver",
-    "sender",
-    "renewer",
+    "consumer",
+    "consumer.tasks",
+    "consumer.producers",
+    "consumer.pull",
+    "consumer.push",
+    "consumer.receiver",
+    "consumer.renewer",
+    "producer",
+    "producer.leases",
+    "producer.admission",
+    "producer.sender",
     "worker",
     "transports",
     "transports.memory",
 }
 TRANSPORTS = ("transports",)
-ABOVE_TRANSPORTS = ("receiver", "sender", "renewer", "worker", "state", "specs", "params", "vllm", "plugin", "nixl", "mooncake")
+ABOVE_TRANSPORTS = ("consumer", "producer", "worker", "specs", "params", "vllm", "plugin", "nixl", "mooncake")
 FACES = ("nixl", "mooncake")  # the module paths users write in kv_connector_module_path
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kv_connectors.consumer.tasks import FailReason, RecvFailure, RecvKind, RecvPhase, RecvTask
 from kv_connectors.specs import RecvSpec, StepMetadata
-from kv_connectors.state import FailReason, RecvFailure, RecvKind, RecvPhase, RecvTask
 from tests.unit.engine_harness import P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
@@ -30,8 +30,8 @@ def failures(monkeypatch) -> list[tuple[RecvKind, str, RecvFailure]]:
 
 
 def test_task_key_separates_a_load_from_a_release():
-    load = RecvTask("d1", PEER, "r1", [5], [1], 0.0)
-    release = RecvTask("d1", PEER, "r1", [], [], 0.0, kind=RecvKind.RELEASE)
+    load = RecvTask("d1", RecvSpec(PEER, "r1", (5,), (1,)), 0.0)
+    release = RecvTask("d1", RecvSpec(PEER, "r1", (), (), report=False), 0.0, kind=RecvKind.RELEASE)
     assert load.kind is RecvKind.LOAD and load.key != release.key and load.request_id == release.request_id
     load.fail(FailReason.TIMEOUT, "transfer timed out")
     assert load.phase is RecvPhase.FAILED and load.error == RecvFailure(FailReason.TIMEOUT, "transfer timed out")

@@ -8,7 +8,7 @@ from kv_connectors.config import VALID_KEYS, Role, TransferMode, parse_config
 from kv_connectors.errors import ConfigError, HandshakeError, IncompatiblePeerError, TransferParamsError
 from kv_connectors.layout import Cells, KVLayout, Part, Region
 from kv_connectors.params import parse_remote_prefill, producer_params
-from kv_connectors.state import SendLeases
+from kv_connectors.producer.leases import SendLeases
 
 COMPAT = wire.CompatInfo(
     architecture="LlamaForCausalLM",

@@ -31,7 +31,7 @@ from kv_connectors.transports.staging.messages import (
 from kv_connectors.transports.staging.outbox import Outbox
 from kv_connectors.transports.staging.peers import PeerTable
 from kv_connectors.transports.staging.pool import SlotPool
-from kv_connectors.transports.staging.xfer import Chunk, Drain, Phase, StagedXfer, Transfer, settle
+from kv_connectors.transports.staging.xfer import Chunk, Drain, Phase, StagedXfer, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class Initiator:
         self._drain_timeout = drain_timeout_s
         self._xfers: dict[int, Transfer] = {}  # our unfinished transfers
         self._aborting: list[Transfer] = []  # failed transfers whose inner ops are still draining
+        self._aborted: set[int] = set()  # id() of inner ops told to abort
+        self._quarantined: set[int] = set()  # slots of inner ops that did not end in drain_timeout_s
         self._next_id = random.getrandbits(56)  # random start: a restarted peer does not reuse ids
         peers.subscribe(on_failure=self.fail_peer)
 
@@ -117,6 +119,26 @@ class Initiator:
         if t is not None and t.handle is handle:
             self._fail(t, err)
 
+    def settled(self, handle: StagedXfer) -> bool:
+        """No byte of the transfer can reach the destination's KV cache any more: it completed; or
+        it failed and is a READ (we scatter into our KV ourselves, and no longer do), or a WRITE
+        whose inner ops all ended (the peer scatters only on the SCATTER their notifications carry,
+        and drops later ones once our ERROR, sent after the drain, reached it)."""
+        if handle.state is XferState.DONE:
+            return True
+        if handle.error is None:
+            return False
+        return handle.op is Op.READ or not any(t.handle is handle for t in self._aborting)
+
+    @property
+    def quarantined_slots(self) -> int:
+        return len(self._quarantined)
+
+    def _abort_once(self, inner: object) -> None:
+        if id(inner) not in self._aborted:
+            self._aborted.add(id(inner))
+            self._inner.abort(inner)
+
     def abort_all(self, err: TransportError) -> None:
         for t in list(self._xfers.values()):
             self._fail(t, err)
@@ -150,13 +172,18 @@ class Initiator:
                 self._fail(t, e)
 
     def _poll_chunk(self, t: Transfer, c: Chunk) -> None:
-        ended = settle(self._inner, c.inner)
-        if ended is XferState.IN_PROGRESS:
+        try:
+            state = self._inner.poll(c.inner)
+        except TransportError as e:
+            if self._inner.settled(c.inner):  # else it may still land in the slot: drained by _fail
+                self._inner.release(c.inner)
+                c.inner = None
+            self._fail(t, e)
             return
+        if state is XferState.IN_PROGRESS:
+            return
+        self._inner.release(c.inner)
         c.inner = None
-        if isinstance(ended, TransportError):
-            self._fail(t, ended)
-            return
         self._peers.heard(t.peer)
         try:
             if c.phase is Phase.READING:
@@ -284,25 +311,29 @@ class Initiator:
         self._drain(t)  # the peer hears of it once no write of ours can land in its slots
 
     def _drain(self, t: Transfer) -> None:
+        """A failed transfer's inner ops: their slots go back to the pool only once the inner
+        transport says no byte of them can move (a released op may still land: UCX, Mooncake).
+        One that does not end within drain_timeout_s keeps its slot out of the pool (quarantined)."""
         keep = []
         now = time.monotonic()
-        gone = self._peers.live(t.peer) is None  # nothing more can arrive: released handles are over
         for d in t.draining:
-            if gone:
-                self._inner.release(d.inner)
-            elif settle(self._inner, d.inner) is XferState.IN_PROGRESS:  # an error ends it too
-                if now <= d.deadline:
-                    keep.append(d)
-                    continue
-                logger.warning(
-                    "staging %s: an aborted %s to %s did not end in %.0f s; reusing its slot",
-                    self._name,
-                    t.op,
-                    t.peer,
-                    self._drain_timeout,
-                )
-                self._inner.release(d.inner)
+            self._abort_once(d.inner)
+            if not self._inner.settled(d.inner):
+                if now > d.deadline and d.slot is not None and d.slot not in self._quarantined:
+                    self._quarantined.add(d.slot)
+                    logger.error(
+                        "staging %s: a failed %s with %s has not ended after %.0f s; its slot stays out of the pool",
+                        self._name,
+                        t.op,
+                        t.peer,
+                        self._drain_timeout,
+                    )
+                keep.append(d)
+                continue
+            self._aborted.discard(id(d.inner))
+            self._inner.release(d.inner)
             if d.slot is not None:
+                self._quarantined.discard(d.slot)
                 self._pool.give(d.slot, own=True)
         t.draining = keep
         if not keep:

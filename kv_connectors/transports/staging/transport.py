@@ -195,8 +195,21 @@ class StagedTransport:
             raise handle.error
         return handle.state
 
+    def abort(self, handle: StagedXfer) -> None:
+        """Fail an unfinished transfer now: no further chunk starts or is scattered; its inner ops
+        in flight drain (their slots stay out of the pool until they ended). Never raises."""
+        self.release(handle)
+
+    def settled(self, handle: StagedXfer) -> bool:
+        """Whether no byte of the transfer can reach the destination's KV any more (Initiator.settled)."""
+        try:
+            self.progress()
+        except TransportError:
+            pass
+        return self._initiator.settled(handle)
+
     def release(self, handle: StagedXfer) -> None:
-        """Forget a handle; an unfinished transfer is aborted and its slots freed. Never raises."""
+        """Forget a handle; an unfinished transfer is failed (as abort). Never raises."""
         try:
             if handle.state is not XferState.DONE and handle.error is None:
                 err = TransportError(f"staged {handle.op} with {handle.peer_name}: released before completion")

@@ -1,19 +1,15 @@
-"""Per-request transfer state with deadlines: P's leases on blocks held for D, D's receive tasks."""
+"""P's leases: blocks held for a D that will read (or be written from) them, the fence's claims on them, their end."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import enum
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kv_connectors.counters import DURATIONS_CAP
 from kv_connectors.fence import LeaseWords, lease_word
-
-if TYPE_CHECKING:
-    from kv_connectors.wire import Body
 
 # How long a D notification may precede the P worker learning of the request (seconds).
 _EARLY_NOTICE_TTL_S = 600.0
@@ -286,121 +282,3 @@ def _put_bounded(d: dict[str, Any], key: str, value: Any, cap: int) -> None:
     d[key] = value
     while len(d) > cap:
         del d[next(iter(d))]
-
-
-class RecvPhase(enum.Enum):
-    """Where a D-side receive stands."""
-
-    HANDSHAKE = "handshake"  # waiting for the peer's metadata
-    REQUESTED = "requested"  # push: waiting for P to accept the push request
-    TRANSFER = "transfer"  # a READ is posted, or (push) waiting for P's notification
-    DONE = "done"
-    FAILED = "failed"
-
-
-class RecvKind(enum.Enum):
-    """What a D-side task is for."""
-
-    LOAD = "load"  # vLLM waits for it: reported finished (and failed) to vLLM
-    # Only tells P to free its blocks (request aborted before it was scheduled, or every block was
-    # a local prefix hit): best effort, never reported; P's lease frees what a lost release leaves.
-    RELEASE = "release"
-
-
-class FailReason(enum.Enum):
-    """Why a D-side task failed."""
-
-    BAD_PARAMS = "bad_params"  # the scheduler side refused the request's kv_transfer_params
-    HANDSHAKE = "handshake"  # the producer's side channel refused, failed or did not answer the handshake
-    PUSH_REQUEST = "push_request"  # the producer refused or did not answer the push request
-    PRODUCER_WRITE = "producer_write"  # the producer reported that its write into our blocks failed
-    TRANSFER = "transfer"  # the transport could not post or complete the read
-    TIMEOUT = "timeout"  # the read, or the producer's write, did not complete in time
-    FENCE = "fence"  # the claim on P's lease was refused or failed, or the read outlived P's hold
-    INTERNAL = "internal"  # a bug (or a peer's bytes nothing anticipated) while advancing the task
-
-
-@dataclasses.dataclass(frozen=True)
-class RecvFailure:
-    """A failed task: the typed reason, and what is logged for it."""
-
-    reason: FailReason
-    message: str
-    cause: BaseException | None = None  # the error behind it, where there was one
-
-    def __str__(self) -> str:
-        return self.message
-
-
-TaskKey = tuple[RecvKind, str]  # a load and a release of the same request may coexist
-
-
-@dataclasses.dataclass
-class ClaimBatch:
-    """One ClaimRequest to a producer for every read that was ready to claim in one progress call."""
-
-    future: concurrent.futures.Future[Body]
-    sent_at: float  # before the request left: at or before P's receipt, so the fence errs early
-    index: dict[TaskKey, int]  # task key -> item index
-
-
-@dataclasses.dataclass
-class RecvTask:
-    """One request's load of remote blocks into local blocks (or release of P's), with a deadline for each phase."""
-
-    request_id: str
-    peer_key: tuple[str, str, int]  # (engine id, host, port)
-    remote_request_id: str
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-    deadline: float
-    phase: RecvPhase = RecvPhase.HANDSHAKE
-    kind: RecvKind = RecvKind.LOAD
-    ack: concurrent.futures.Future[Body] | None = None  # the push request in flight (P's answer)
-    xfer: object | None = None  # the transport's handle of the posted read (pull) or transfer
-    error: RecvFailure | None = None
-    started: float = 0.0
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    # Pull only: the fence. The read counts only if P granted a claim on its lease (claim) and the
-    # read completed (read_done_at) before that claim could lapse at P (fence_deadline).
-    fenced: bool = False
-    claim: ClaimBatch | None = None  # the claim request in flight, None when none is
-    claim_deadline: float = 0.0  # give up claiming (P never learnt of the lease) after this
-    claim_retry_at: float = 0.0
-    fence_deadline: float | None = None  # set once granted (inf: proved by P's lease words)
-    read_done_at: float | None = None
-    # The one-sided fence (kv_connectors.fence): P's lease words, read once the data read is done.
-    words_pending: bool = False  # to be read (the claim waits: sent only if they prove nothing)
-    words_xfer: object | None = None  # the transport's handle of that read
-    words_posted_at: float = 0.0
-    epoch: str = ""  # the producer process the read was planned against (its handshake's epoch)
-    # Phase timings (kv_connectors.counters.Phase): when the load started, how long the request
-    # waited in D's queue before (from the scheduler), the claim's round trip once answered.
-    created: float | None = None
-    queued_s: float = 0.0
-    claim_s: float | None = None
-    # Tensor parallelism: the producer rank (and TP size) this task reads from; a request whose heads
-    # several producer ranks hold is one task per rank, all under the request's id (group).
-    remote_rank: int = 0
-    remote_tp_size: int = 1
-    group: str = ""  # the request id vLLM knows (request_id is then this task's own)
-    # The tokens loaded (specs.RecvSpec): needed where P's block size differs from D's.
-    first_token: int = 0
-    num_tokens: int = 0
-    local_first_token: int = 0
-    remote_first_token: int = 0
-    prompt_digest: str = ""  # of the prompt tokens P's KV covers (a push request states it)
-
-    @property
-    def request(self) -> str:
-        """The request id reported to vLLM."""
-        return self.group or self.request_id
-
-    @property
-    def key(self) -> TaskKey:
-        return (self.kind, self.request_id)
-
-    def fail(self, reason: FailReason, message: str, cause: BaseException | None = None) -> None:
-        self.phase = RecvPhase.FAILED
-        self.error = RecvFailure(reason, message, cause)

@@ -1,9 +1,12 @@
-"""P side of a transfer: leases on blocks held for D, and writes into D's blocks when D asks (push).
+"""P side of a transfer: writes into D's blocks when D asks (push), settled before D is told.
 
 A push request names the blocks by key: P's request id (the "params" flow, after P answered)
 or the transfer id both requests carry (the "transfer-id" flow, P and D sent at once). In the
 transfer-id flow D may ask before P has computed anything; if its request is here when P's
 step computes the prompt, each layer is written as soon as it is computed (layer-wise push).
+
+A write that fails, times out or that D aborts is not over when it is released: P tells D it
+failed (and frees the blocks it reads) only once its transport says no byte of it can move.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from typing import Any
 
 from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
-from kv_connectors.errors import KVConnectorError, TransferParamsError
+from kv_connectors.errors import KVConnectorError
 from kv_connectors.fence import LeaseWords
 from kv_connectors.layout import KVLayout, reader_count
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
-from kv_connectors.state import ClaimResult, SendLeases, other_prompt
+from kv_connectors.producer.admission import Admission, PushBook, reader
+from kv_connectors.producer.leases import SendLeases, other_prompt
 from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
@@ -29,10 +33,10 @@ logger = logging.getLogger(__name__)
 # P's push deadline ends this much (at most a tenth of the timeout) before D's could.
 _DEADLINE_MARGIN_S = 1.0
 _OTHER_PROMPT = "the decode request's prompt is not the prefill's (one id used for two prompts?)"
+_ABORTED = "the consumer aborted the push request"
 
 # How long a cancelled transfer id is remembered, for a D push request that arrives late.
 _CANCEL_TTL_S = 600.0
-_MAX_CLAIM_ITEMS = 65536  # requests in one claim (D batches those ready in one step)
 
 
 @dataclasses.dataclass
@@ -48,18 +52,15 @@ class _Write:
     dst: KVLayout | None = None
     regions_left: set[int] = dataclasses.field(default_factory=set)
     layers_in_forward: int = 0  # layers written from save_kv_layer, during the forward pass
-    error: str = ""
+    error: str = ""  # failed (or not every region written): it ends once every handle settled
+    stopping: str = ""  # timed out or aborted by D: its handles are aborted; a write that lands whole still counts
     consumer: KVLayout | None = None  # D's layout when it asked: the process whose blocks these are
+    aborted: set[int] = dataclasses.field(default_factory=set)  # id() of handles told to abort
 
 
 # (the lease key D names the blocks by, the consumer rank's agent, its request there): two D
 # requests for one lease (a router's duplicate) are two writes, each answered.
 WriteKey = tuple[str, str, str]
-
-
-def _reader(engine_id: str, rank: int) -> str:
-    """A consumer rank, as claims and notices name it."""
-    return f"{engine_id}#{rank}"
 
 
 def _tail(own: tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -68,7 +69,7 @@ def _tail(own: tuple[int, ...], n: int) -> tuple[int, ...]:
 
 
 class Sender:
-    """Owns P's leases and push writes. Side-channel callbacks (other thread) only enqueue;
+    """Owns P's leases and push writes. Side-channel answers (Admission, other thread) only enqueue;
     every transport call happens on the engine's thread (progress, layer hooks, take_finished)."""
 
     def __init__(
@@ -90,12 +91,15 @@ class Sender:
         self._rank, self._tp_size, self._total_heads = rank, tp_size, compat.num_kv_heads
         self._readers: dict[str, int] = {}  # consumer engine -> how many of its ranks read from this rank
         self._clock = clock
-        self.epoch = epoch
         self._transport = transport
         self._layout = layout
         self._hash = compat.hash()
         self._layer_regions = {name: tuple(ids) for name, ids in (layer_regions or {}).items()}
         self.leases = SendLeases(words=words, epoch=epoch, writing=self._writes_from)
+        self.book = PushBook()
+        self.admission = Admission(
+            cfg, leases=self.leases, book=self.book, layout=layout, epoch=epoch, clock=clock, queue_push=self._queue_push
+        )
         # Push requests with the time they arrived (D's deadline runs from about then).
         self._inbox: queue.SimpleQueue[wire.HandshakeRequest | tuple[wire.PushRequest, float]] = queue.SimpleQueue()
         # Agent name -> layout and transport metadata: a new layout object per D process (a D
@@ -111,52 +115,22 @@ class Sender:
         self.push_failures = 0
         self.layerwise_pushes = 0
 
+    @property
+    def epoch(self) -> str:
+        """This process's start (what the side channel answers: a restarted P is a new peer)."""
+        return self.admission.epoch
+
+    @epoch.setter
+    def epoch(self, value: str) -> None:
+        self.admission.epoch = value
+
     # side-channel thread ------------------------------------------------------------------------
     def on_handshake(self, request: wire.HandshakeRequest) -> None:
         if request.agent_name and request.layout is not None:
             self._inbox.put(request)
 
-    def on_push(self, request: wire.PushRequest) -> wire.PushAck:
-        """Queue a push request for the engine thread; the answer names this process (a D whose
-        handshake was with an earlier one hand-shakes again: this one cannot reach it)."""
-        if len(request.block_ids) > self._layout.num_blocks:  # no request of ours holds that many
-            too_many = f"{len(request.block_ids)} blocks asked; this instance has {self._layout.num_blocks}"
-            return wire.PushAck(False, too_many, self.epoch)
-        key = request.producer_request_id
-        if request.block_ids and (why := self.leases.gone(key)) is not None:
-            # Refused here, not on the engine thread: a P with nothing else to do does not step
-            # (vLLM's engine waits for a request), and D would wait out its deadline.
-            return wire.PushAck(False, f"prefill request {key}'s blocks were already freed ({why})", self.epoch)
-        self._inbox.put((request, self._clock()))
-        return wire.PushAck(True, epoch=self.epoch)
-
-    def on_claim(self, request: wire.ClaimRequest) -> wire.ClaimReply:
-        """The fence (side-channel thread): hold each live lease a consumer is reading for it;
-        refuse those that already ended (their blocks may hold other prompts' KV by now)."""
-        now = self._clock()
-        hold_s = self._cfg.transfer_timeout_s
-        if len(request.items) > _MAX_CLAIM_ITEMS or any(len(i.block_ids) > self._layout.num_blocks for i in request.items):
-            raise TransferParamsError(
-                f"claim of {len(request.items)} requests is larger than any this "
-                f"instance ({self._layout.num_blocks} blocks) can hold"
-            )
-        if request.epoch and request.epoch != self.epoch:  # D hand-shook with an earlier process here
-            why = "the producer restarted since the handshake"
-            n = len(request.items)
-            return wire.ClaimReply([ClaimResult.GONE.value] * n, [why] * n, hold_s, self.epoch)
-        claims = [
-            self.leases.claim(
-                item.key, _reader(request.consumer_engine_id, request.consumer_rank), tuple(item.block_ids), now, hold_s
-            )
-            for item in request.items
-        ]
-        return wire.ClaimReply([c.result.value for c in claims], [c.reason for c in claims], hold_s, self.epoch)
-
-    def on_renew(self, request: wire.RenewRequest) -> wire.RenewReply:
-        """Heartbeat (side-channel thread): D's requests still queued; extend their leases."""
-        now = self._clock()
-        known = [self.leases.renew(key, now, self._cfg.lease_s) for key in request.keys]
-        return wire.RenewReply(known, self._cfg.lease_s)
+    def _queue_push(self, request: wire.PushRequest, received_at: float) -> None:
+        self._inbox.put((request, received_at))
 
     # engine thread ----------------------------------------------------------------------------
     def add_leases(self, reqs: Mapping[str, Any]) -> None:
@@ -217,7 +191,10 @@ class Sender:
 
     def _advance_waiting(self, wk: WriteKey, write: _Write, now: float) -> None:
         key = wk[0]
-        if now > write.deadline:  # first: D gives these blocks up about now, a write could land after
+        if self.book.aborted(write.request):  # D gave up on it before it could be written
+            del self._waiting[wk]
+            self.push_failures += 1
+        elif now > write.deadline:  # first: D gives these blocks up about now, a write could land after
             del self._waiting[wk]
             known = self.leases.block_ids(key) is not None
             late = "was not ready within the push's deadline" if known else "is unknown here or its blocks were already freed"
@@ -229,11 +206,13 @@ class Sender:
             del self._waiting[wk]  # its lease already ended: fail D now, not at its deadline
             self._finish(write, f"prefill request {key}'s blocks were already freed ({why})")
 
-    def _deadline(self, received_at: float) -> float:
+    def _deadline(self, request: wire.PushRequest, received_at: float) -> float:
         """When a push must have been written, from when its request arrived: D's own wait (its
-        transfer timeout) began before that and ends after its acknowledgement, so P stops (a
-        margin) before D gives its blocks back to vLLM, never writing into blocks reused since."""
+        budget, at most our transfer timeout) began before that and ends after its acknowledgement,
+        so P stops (a margin) before D gives up; D then aborts and waits for P's confirmation."""
         timeout = self._cfg.transfer_timeout_s
+        if request.budget_s > 0:
+            timeout = min(timeout, request.budget_s)
         return received_at + timeout - min(_DEADLINE_MARGIN_S, timeout / 10)
 
     def _drain_inbox(self, now: float) -> None:
@@ -252,13 +231,17 @@ class Sender:
         if not req.block_ids:  # D needs nothing: free now (unless it names another prompt)
             if not self.leases.notice(key, now, prompt_digest=req.prompt_digest):
                 logger.warning("release of %s by %s ignored: %s", key, req.consumer_engine_id, _OTHER_PROMPT)
+        elif self.book.aborted(req):
+            self.push_failures += 1
+            logger.info("push of %s to %s dropped: %s", key, req.consumer_engine_id, _ABORTED)
         elif key in self._cancelled:
             self._finish(_Write(req, now), self._cancelled[key][0])
         else:
             wk = (key, req.consumer_agent, req.consumer_request_id)
             if (dup := self._waiting.pop(wk, None)) is not None:
                 self._finish(dup, "the consumer asked again for the same request")
-            self._waiting[wk] = _Write(req, self._deadline(received_at), consumer=self._consumers.get(req.consumer_agent))
+            consumer = self._consumers.get(req.consumer_agent)
+            self._waiting[wk] = _Write(req, self._deadline(req, received_at), consumer=consumer)
 
     def _connect(self, request: wire.HandshakeRequest) -> None:
         assert request.layout is not None
@@ -281,8 +264,9 @@ class Sender:
         dst = self._consumers.get(req.consumer_agent)
         if dst is None:
             return f"consumer {req.consumer_agent} did not hand-shake for push"
-        if write.consumer is not None and dst is not write.consumer:
-            return f"consumer {req.consumer_agent} restarted since it asked: its blocks belong to another process now"
+        if write.consumer is None or dst is not write.consumer:
+            # Its blocks belong to another process now (or to none we know of when it asked).
+            return f"consumer {req.consumer_agent} hand-shook again since it asked: its blocks may belong to another process"
         if dst.block_size == self._layout.block_size and len(req.block_ids) > len(own):
             return f"asked for {len(req.block_ids)} blocks, request {req.producer_request_id} holds {len(own)}"
         return dst
@@ -305,7 +289,7 @@ class Sender:
         if not engine:
             self.leases.notice(key, now)
             return
-        self.leases.notice(key, now, _reader(engine, rank), engine, self._readers.get(engine, 1))
+        self.leases.notice(key, now, reader(engine, rank), engine, self._readers.get(engine, 1))
 
     def _post(self, wk: WriteKey, write: _Write) -> None:
         key, req = wk[0], write.request
@@ -320,8 +304,14 @@ class Sender:
                 raise KVConnectorError(dst)
             plan = self._plan(own, dst, req)
             write.runs = plan.num_runs
-            notif = wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, runs=plan.num_runs), self._hash)
-            write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
+            notif = self._done(req, runs=plan.num_runs)
+            if not self.book.start(req):  # D aborted it meanwhile (side-channel thread): never written
+                return
+            try:
+                write.handles.append(self._transport.post_write(req.consumer_agent, plan, notif))
+            except BaseException:
+                self.book.end(req)  # nothing was posted
+                raise
         except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             self._finish(write, f"write failed: {e}")
             self._reader_done(key, req.consumer_engine_id, req.consumer_rank, self._clock())
@@ -343,6 +333,8 @@ class Sender:
                 dst = self._check(write, spec.block_ids)
                 if isinstance(dst, str) or _other_prompt(write.request, spec.prompt_digest) is not None or now > write.deadline:
                     continue  # the whole-request path reports it
+                if not self.book.start(write.request):  # aborted by D: dropped at the next progress
+                    continue
                 del self._waiting[wk]
                 write.src_blocks, write.dst = spec.block_ids, dst
                 write.regions_left = set(range(len(self._layout.regions)))
@@ -369,6 +361,10 @@ class Sender:
         todo = sorted(r for r in regions if r in write.regions_left)
         if not todo or write.error:
             return
+        if self.book.aborted(write.request):  # D gave up: no more of it is written
+            write.error = _ABORTED
+            write.regions_left.clear()
+            return
         write.regions_left.difference_update(todo)
         req = write.request
         assert write.dst is not None
@@ -381,42 +377,61 @@ class Sender:
             write.regions_left.clear()
 
     def _poll(self, wk: WriteKey, write: _Write, now: float) -> None:
-        error = write.error
+        """A write ends once every handle completed, or, after a failure, a timeout or D's abort,
+        once every handle settled (no byte of it can land any more): only then is D told and are
+        the blocks it reads freed."""
+        if not write.stopping and self.book.aborted(write.request):
+            write.stopping = _ABORTED
+        if not write.stopping and now > write.deadline:
+            write.stopping = f"write timed out after {self._cfg.transfer_timeout_s:g} s"
         for handle in list(write.handles):
             try:
-                state = self._transport.poll(handle)
+                state: XferState | None = self._transport.poll(handle)
             except KVConnectorError as e:
-                error = error or f"write failed: {e}"
-            else:
-                if state is XferState.IN_PROGRESS:
-                    if now <= write.deadline:
-                        continue
-                    error = error or f"write timed out after {self._cfg.transfer_timeout_s:g} s"
-            self._transport.release(handle)
-            write.handles.remove(handle)
-        if write.handles and not error:
-            return
-        for handle in write.handles:  # failed or timed out: abort the rest
-            self._transport.release(handle)
-        write.handles.clear()
+                write.error = write.error or f"write failed: {e}"
+                state = None
+            if state is XferState.DONE:
+                self._transport.release(handle)
+                write.handles.remove(handle)
+                continue
+            if write.error or write.stopping:
+                if id(handle) not in write.aborted:
+                    write.aborted.add(id(handle))
+                    self._transport.abort(handle)
+                if self._transport.settled(handle):  # ended without completing (or so its engine says)
+                    write.error = write.error or write.stopping
+                    self._transport.release(handle)
+                    write.handles.remove(handle)
+        if write.handles:
+            return  # in flight, or settling
         del self._writing[wk]
         req = write.request
+        self.book.end(req)
         self._reader_done(wk[0], req.consumer_engine_id, req.consumer_rank, now)  # written or failed: free either way
-        if error:
-            self._finish(write, error)
+        if write.error:
+            self._finish(write, write.error)
             return
         self.pushes += 1
         if write.dst is not None:  # layer-wise: the notification follows the last write
             self.layerwise_pushes += int(write.layers_in_forward > 0)
-            done = wire.TransferDone(write.request.consumer_request_id, self._cfg.engine_id, runs=write.runs)
-            self._notify(write.request, wire.encode(done, self._hash))
+            self._notify(write.request, self._done(write.request, runs=write.runs))
+
+    def _done(self, req: wire.PushRequest, error: str = "", runs: int = 0) -> bytes:
+        return wire.encode(
+            wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, error, runs, attempt=req.attempt), self._hash
+        )
 
     def _finish(self, write: _Write, error: str) -> None:
-        """Tell D its push failed (best effort: D's own deadline covers a lost message)."""
+        """Tell D its push failed: nothing of it is in flight, and it is never written from now on
+        (a copy of the request arriving later is refused). Best effort: D's abort covers a lost message."""
         self.push_failures += 1
         req = write.request
-        logger.error("push of %s to %s failed: %s", req.producer_request_id, req.consumer_engine_id, error)
-        self._notify(req, wire.encode(wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, error), self._hash))
+        self.book.close(req)
+        if error == _ABORTED:
+            logger.info("push of %s to %s ended: %s", req.producer_request_id, req.consumer_engine_id, error)
+        else:
+            logger.error("push of %s to %s failed: %s", req.producer_request_id, req.consumer_engine_id, error)
+        self._notify(req, self._done(req, error))
 
     def _notify(self, req: wire.PushRequest, msg: bytes) -> None:
         try:

@@ -1,0 +1,152 @@
+"""D's directory of producers: one handshake per producer rank's address, its answer checked and connected."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from kv_connectors import sidechannel, wire
+from kv_connectors.config import ConnectorConfig
+from kv_connectors.consumer.tasks import PeerKey
+from kv_connectors.errors import KVConnectorError
+from kv_connectors.fence import WORD_BYTES, LeaseWords, words_layout
+from kv_connectors.layout import KVLayout
+from kv_connectors.transports.base import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Producer:
+    """A producer rank: known once its handshake answered."""
+
+    future: concurrent.futures.Future[wire.Body] | None
+    agent_name: str = ""
+    layout: KVLayout | None = None
+    error: str | None = None
+    epoch: str = ""  # the producer process the cached handshake came from
+    words: KVLayout | None = None  # its lease words (kv_connectors.fence), where it has them and we read them
+
+    @property
+    def ready(self) -> bool:
+        return self.layout is not None and self.error is None
+
+
+class Producers:
+    """Handshakes (off the engine thread, through the side-channel client) and their answers,
+    connected on the engine thread. Transport calls happen on the caller's thread."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        rank: int,
+        tp_size: int,
+        transport: Transport,
+        layout: KVLayout,
+        compat: wire.CompatInfo,
+        *,
+        client: sidechannel.Client,
+        local_metadata: bytes,
+        scratch: LeaseWords | None,
+    ) -> None:
+        self._cfg = cfg
+        self._rank, self._tp_size = rank, tp_size
+        self._transport = transport
+        self._layout = layout
+        self._compat = compat
+        self.hash = compat.hash()
+        self._client = client
+        self._local_metadata = local_metadata
+        self._scratch = scratch
+        self._peers: dict[PeerKey, Producer] = {}
+        self._expected: dict[PeerKey, tuple[int, int]] = {}  # the (rank, TP size) a producer must answer as
+
+    def submit(self, key: PeerKey, body: wire.Body) -> concurrent.futures.Future[wire.Body]:
+        """One side-channel request to the producer at key (off this thread, with its own deadline)."""
+        _engine, host, port = key
+        return self._client.submit(host, port, body, self.hash, self._cfg.handshake_timeout_s)
+
+    def get(self, key: PeerKey) -> Producer:
+        return self._peers[key]
+
+    def find(self, key: PeerKey) -> Producer | None:
+        return self._peers.get(key)
+
+    def ensure(self, key: PeerKey, remote_rank: int, remote_tp_size: int) -> None:
+        """Hand-shake with the producer at key unless a good handshake is cached (P connects back
+        to us: it writes into our blocks (push) and a staged transport answers our reads)."""
+        self._expected[key] = (remote_rank, remote_tp_size)
+        peer = self._peers.get(key)
+        if peer is not None and peer.error is None:
+            return
+        request = wire.HandshakeRequest(
+            self._cfg.engine_id,
+            self._rank,
+            self._compat,
+            agent_name=self._transport.name,
+            agent_metadata=self._local_metadata,
+            layout=wire.LayoutMsg.from_layout(self._layout),
+            tp_size=self._tp_size,
+        )
+        self._peers[key] = Producer(self.submit(key, request))
+
+    def mark_failed(self, key: PeerKey, why: str) -> None:
+        """The next request hand-shakes again (e.g. the producer restarted)."""
+        peer = self._peers.get(key)
+        if peer is not None:
+            peer.error = why
+
+    def awaiting(self) -> bool:
+        """A handshake's answer is on its way."""
+        return any(peer.future is not None for peer in self._peers.values())
+
+    def resolve(self) -> None:
+        """Take the handshakes' answers that arrived: check them and connect the transport."""
+        for key, peer in self._peers.items():
+            if peer.future is None or not peer.future.done():
+                continue
+            future, peer.future = peer.future, None
+            try:
+                reply = future.result()
+                if not isinstance(reply, wire.HandshakeReply) or (key[0] and reply.engine_id != key[0]):
+                    raise KVConnectorError(
+                        f"side channel {key[1]}:{key[2]} answered for engine {getattr(reply, 'engine_id', '?')}, expected {key[0]}"
+                    )
+                expected = self._expected.get(key, (self._rank, self._tp_size))
+                if (reply.rank, reply.tp_size) != expected:
+                    raise KVConnectorError(
+                        f"side channel {key[1]}:{key[2]} is rank {reply.rank} of tensor_parallel_size {reply.tp_size}; "
+                        f"this decode rank {self._rank} of {self._tp_size} expected the prefill's rank {expected[0]} "
+                        f"of {expected[1]} there"
+                    )
+                self._transport.connect(reply.agent_name, reply.agent_metadata)
+                peer.agent_name, peer.layout, peer.epoch = reply.agent_name, reply.layout.to_layout(), reply.epoch
+                peer.words = self._peer_words(reply, peer.layout)
+                logger.info("connected to producer %s at %s:%d", key[0], key[1], key[2])
+            except Exception as e:  # boundary: a failed handshake fails requests, never the step
+                peer.error = str(e)
+                logger.error("handshake with %s at %s:%d failed: %s", key[0], key[1], key[2], e)
+
+    def _peer_words(self, reply: wire.HandshakeReply, layout: KVLayout) -> KVLayout | None:
+        """The producer's lease words as a layout, if it has them, we read them, and the address
+        it gave can be planned (a peer's bytes: a bad one costs it the one-sided fence, nothing else)."""
+        base = reply.lease_words
+        if self._scratch is None or not base:
+            return None
+        if not 0 < base < wire.MAX_ADDRESS - layout.num_blocks * WORD_BYTES:
+            logger.warning("producer %s gave lease words at %#x: ignored, its reads are claimed", reply.engine_id, base)
+            return None
+        return words_layout(base, layout.num_blocks)
+
+    def prune(self, named: Callable[[PeerKey], bool]) -> None:
+        """Forget producers that failed and that no task names (addresses come from requests: a
+        client naming many dead ones would otherwise keep an entry and a thread for each)."""
+        for key in [key for key, peer in self._peers.items() if peer.error is not None and not named(key)]:
+            del self._peers[key]
+            self._expected.pop(key, None)
+            self._client.forget(key[1], key[2])
+
+    def close(self) -> None:
+        self._client.close()

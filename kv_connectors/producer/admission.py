@@ -1,0 +1,177 @@
+"""P's side-channel answers (on the side-channel thread): handshakes, claims, renewals, push requests
+and their aborts. Nothing here touches the transport: what needs the engine thread is queued."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+
+from kv_connectors import wire
+from kv_connectors.config import ConnectorConfig
+from kv_connectors.errors import ConfigError, TransferParamsError
+from kv_connectors.layout import KVLayout, reader_count, source_ranks
+from kv_connectors.producer.leases import ClaimResult, SendLeases
+
+logger = logging.getLogger(__name__)
+
+_MAX_CLAIM_ITEMS = 65536  # requests in one claim (D batches those ready in one step)
+_TOMBSTONES = 100_000  # aborted push attempts remembered (oldest forgotten first)
+
+Attempt = tuple[str, str, str]  # (consumer agent, its request id, the attempt D named)
+
+
+def attempt_of(request: wire.PushRequest) -> Attempt:
+    return (request.consumer_agent, request.consumer_request_id, request.attempt)
+
+
+def reader(engine_id: str, rank: int) -> str:
+    """A consumer rank, as claims and notices name it."""
+    return f"{engine_id}#{rank}"
+
+
+class PushBook:
+    """Which push attempts have a write in flight (or about to be posted), and which D aborted.
+
+    Shared by the side-channel thread (an abort, a new push request) and the engine thread (a write
+    starts or settles), under one lock: an abort answered "settled" means no write of it is in
+    flight, and none can start afterwards (start() refuses an aborted attempt)."""
+
+    def __init__(self, cap: int = _TOMBSTONES) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: set[Attempt] = set()
+        self._aborted: collections.OrderedDict[Attempt, None] = collections.OrderedDict()
+        self._cap = cap
+
+    def start(self, request: wire.PushRequest) -> bool:
+        """A write for this request is about to be posted: False if D aborted it (then it must not be)."""
+        a = attempt_of(request)
+        with self._lock:
+            if a in self._aborted:
+                return False
+            self._in_flight.add(a)
+            return True
+
+    def end(self, request: wire.PushRequest) -> None:
+        """No write of this request is in flight any more (completed, or settled after a failure)."""
+        with self._lock:
+            self._in_flight.discard(attempt_of(request))
+
+    def close(self, request: wire.PushRequest) -> None:
+        """This request will not be written (P failed it): a copy arriving later is refused too."""
+        with self._lock:
+            self._tombstone(attempt_of(request))
+
+    def aborted(self, request: wire.PushRequest) -> bool:
+        with self._lock:
+            return attempt_of(request) in self._aborted
+
+    def abort(self, a: Attempt) -> bool:
+        """D gives up on an attempt: tombstoned; True if no write of it is in flight (settled)."""
+        with self._lock:
+            self._tombstone(a)
+            return a not in self._in_flight
+
+    def _tombstone(self, a: Attempt) -> None:
+        self._aborted[a] = None
+        self._aborted.move_to_end(a)
+        while len(self._aborted) > self._cap:
+            self._aborted.popitem(last=False)
+
+    @property
+    def writing(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+
+class Admission:
+    """Answers D's side-channel requests for this producer rank."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        *,
+        leases: SendLeases,
+        book: PushBook,
+        layout: KVLayout,
+        epoch: str,
+        clock: Callable[[], float],
+        queue_push: Callable[[wire.PushRequest, float], None],
+    ) -> None:
+        self._cfg = cfg
+        self._leases = leases
+        self._book = book
+        self._layout = layout
+        self.epoch = epoch
+        self._clock = clock
+        self._queue_push = queue_push
+
+    def on_push(self, request: wire.PushRequest) -> wire.PushAck:
+        """Queue a push request for the engine thread; the answer names this process (a D whose
+        handshake was with an earlier one hand-shakes again: this one cannot reach it)."""
+        if len(request.block_ids) > self._layout.num_blocks:  # no request of ours holds that many
+            too_many = f"{len(request.block_ids)} blocks asked; this instance has {self._layout.num_blocks}"
+            return wire.PushAck(False, too_many, self.epoch)
+        if request.attempt and self._book.aborted(request):
+            return wire.PushAck(False, "the consumer aborted this push request", self.epoch)
+        key = request.producer_request_id
+        if request.block_ids and (why := self._leases.gone(key)) is not None:
+            # Refused here, not on the engine thread: a P with nothing else to do does not step
+            # (vLLM's engine waits for a request), and D would wait out its deadline.
+            return wire.PushAck(False, f"prefill request {key}'s blocks were already freed ({why})", self.epoch)
+        self._queue_push(request, self._clock())
+        return wire.PushAck(True, epoch=self.epoch)
+
+    def on_abort(self, request: wire.AbortPush) -> wire.PushSettled:
+        """D gives up on a push: never start a write for it; settled once none is in flight."""
+        settled = self._book.abort((request.consumer_agent, request.consumer_request_id, request.attempt))
+        return wire.PushSettled(settled, self.epoch)
+
+    def on_claim(self, request: wire.ClaimRequest) -> wire.ClaimReply:
+        """The fence: hold each live lease a consumer is reading for it; refuse those that already
+        ended (their blocks may hold other prompts' KV by now)."""
+        now = self._clock()
+        hold_s = self._cfg.transfer_timeout_s
+        if len(request.items) > _MAX_CLAIM_ITEMS or any(len(i.block_ids) > self._layout.num_blocks for i in request.items):
+            raise TransferParamsError(
+                f"claim of {len(request.items)} requests is larger than any this "
+                f"instance ({self._layout.num_blocks} blocks) can hold"
+            )
+        if request.epoch and request.epoch != self.epoch:  # D hand-shook with an earlier process here
+            why = "the producer restarted since the handshake"
+            n = len(request.items)
+            return wire.ClaimReply([ClaimResult.GONE.value] * n, [why] * n, hold_s, self.epoch)
+        claims = [
+            self._leases.claim(
+                item.key, reader(request.consumer_engine_id, request.consumer_rank), tuple(item.block_ids), now, hold_s
+            )
+            for item in request.items
+        ]
+        return wire.ClaimReply([c.result.value for c in claims], [c.reason for c in claims], hold_s, self.epoch)
+
+    def on_renew(self, request: wire.RenewRequest) -> wire.RenewReply:
+        """Heartbeat: D's requests still queued; extend their leases."""
+        now = self._clock()
+        known = [self._leases.renew(key, now, self._cfg.lease_s) for key in request.keys]
+        return wire.RenewReply(known, self._cfg.lease_s)
+
+
+def tp_refusal(body: wire.HandshakeRequest, rank: int, tp_size: int, num_kv_heads: int, layout: KVLayout) -> str:
+    """Why a consumer rank may not read from this rank ("" if it may): it must hold some of our
+    heads, and both layouts must tell heads apart where the TP sizes differ."""
+    if (body.rank, body.tp_size) == (rank, tp_size):
+        return ""
+    sizes = f"server rank {rank} of tensor_parallel_size {tp_size}, client rank {body.rank} of {body.tp_size}"
+    if body.tp_size == tp_size:
+        return f"tensor-parallel ranks differ: {sizes} (each decode rank reads the prefill rank of its number)"
+    if layout.cells is None or body.layout is None or body.layout.cells is None:
+        return f"tensor parallelism differs ({sizes}) and a KV layout does not tell heads apart"
+    try:
+        reader_count(num_kv_heads, tp_size, body.tp_size, rank)
+        sources = source_ranks(num_kv_heads, tp_size, body.tp_size, body.rank)
+    except ConfigError as e:
+        return f"tensor parallelism cannot be mapped ({sizes}): {e}"
+    if rank not in sources:
+        return f"tensor parallelism differs ({sizes}): that decode rank reads prefill ranks {sources}"
+    return ""
