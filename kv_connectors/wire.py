@@ -154,6 +154,9 @@ class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake"):
     agent_metadata: bytes = b""
     layout: LayoutMsg | None = None
     tp_size: int = 1  # D's tensor-parallel size; D rank r hand-shakes with P rank r
+    # D rank's own side-channel address ("host:port"): a new agent hand-shaking from it replaces the
+    # previous one (that process is gone: its port is the new one's), so P keeps one entry per D rank
+    address: str = ""
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):

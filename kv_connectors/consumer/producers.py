@@ -89,6 +89,7 @@ class Producers:
             agent_metadata=self._local_metadata,
             layout=wire.LayoutMsg.from_layout(self._layout),
             tp_size=self._tp_size,
+            address=f"{self._cfg.side_channel_host}:{self._cfg.side_channel_port_for_rank(self._rank)}",
         )
         self._peers[key] = Producer(self.submit(key, request))
 
@@ -125,6 +126,9 @@ class Producers:
                 peer.agent_name, peer.layout, peer.epoch = reply.agent_name, reply.layout.to_layout(), reply.epoch
                 peer.words = self._peer_words(reply, peer.layout)
                 logger.info("connected to producer %s at %s:%d", key[0], key[1], key[2])
+                for other_key, other in self._peers.items():  # another process answered there before: gone
+                    if other_key[1:] == key[1:] and other is not peer and other.agent_name != reply.agent_name:
+                        other.error = other.error or f"replaced by {reply.agent_name} at {key[1]}:{key[2]}"
             except Exception as e:  # boundary: a failed handshake fails requests, never the step
                 peer.error = str(e)
                 logger.error("handshake with %s at %s:%d failed: %s", key[0], key[1], key[2], e)
@@ -144,9 +148,15 @@ class Producers:
         """Forget producers that failed and that no task names (addresses come from requests: a
         client naming many dead ones would otherwise keep an entry and a thread for each)."""
         for key in [key for key, peer in self._peers.items() if peer.error is not None and not named(key)]:
-            del self._peers[key]
+            gone = self._peers.pop(key)
             self._expected.pop(key, None)
-            self._client.forget(key[1], key[2])
+            if not any(k[1:] == key[1:] for k in self._peers):  # the address's lane serves nobody else
+                self._client.forget(key[1], key[2])
+            if gone.agent_name and all(p.agent_name != gone.agent_name for p in self._peers.values()):
+                try:
+                    self._transport.disconnect(gone.agent_name)
+                except KVConnectorError as e:
+                    logger.debug("could not disconnect producer %s: %s", gone.agent_name, e)
 
     def close(self) -> None:
         self._client.close()

@@ -18,6 +18,23 @@ _GONE_CAP = 100_000
 
 
 @dataclasses.dataclass
+class _Early:
+    """Notices for a key whose lease is not known yet: when the first came, the digest it stated, and
+    (a consumer whose `readers` ranks each read part of the blocks) which of them are done."""
+
+    at: float
+    digest: str
+    engine: str | None = None
+    readers: int = 1
+    done: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        """Every reader of the consumer is done (or the notice did not name one: one reader)."""
+        return self.engine is None or len(self.done) >= self.readers
+
+
+@dataclasses.dataclass
 class _Lease:
     request_id: str  # vLLM's id of P's request: what is reported when the blocks may be freed
     block_ids: tuple[int, ...]
@@ -84,8 +101,7 @@ class SendLeases:
         # Leases another lease under the same key replaced (a router's second prefill under one
         # transfer id), with their key: freed once no write or claim can still use their blocks.
         self._replaced: list[tuple[str, _Lease]] = []
-        # key -> (time the notice arrived, the prompt digest it stated)
-        self._early: dict[str, tuple[float, str]] = {}
+        self._early: dict[str, _Early] = {}
         self._gone: dict[str, str] = {}  # key -> why it ended (insertion order: oldest first, capped)
         self._gone_cap = gone_cap
         self._finished: set[str] = set()  # request ids
@@ -102,7 +118,11 @@ class SendLeases:
         with self._lock:
             self._gone.pop(key, None)
             early = self._early.pop(key, None)
-            released = early is not None and not other_prompt(early[1], prompt_digest)
+            released = early is not None and not other_prompt(early.digest, prompt_digest)
+            if released and early is not None and not early.complete:  # other ranks of that consumer still read
+                released = False
+            else:
+                early = early if released else None
             if released and not self._writing(key):
                 self._end(key, "released by the consumer before the lease began")
                 self._finished.add(request_id)
@@ -117,6 +137,8 @@ class SendLeases:
                 request_id, tuple(block_ids), now + lease_s, created=now, prompt_digest=prompt_digest
             )
             lease.release_pending = released  # a layer-wise write from its blocks is still in flight
+            if early is not None and early.engine is not None and not early.complete:
+                lease.done[early.engine] = set(early.done)  # the ranks done before the lease existed
             if self._words is not None and not released:
                 self._words.mark(lease_word(self._epoch, key), lease.block_ids)
 
@@ -137,7 +159,8 @@ class SendLeases:
             lease = self._leases.get(key)
             if lease is None:
                 gone = self._gone.get(key)
-                if gone is None and key in self._early:
+                early = self._early.get(key)
+                if gone is None and early is not None and early.complete:
                     gone = "released by the consumer"
                 if gone is None:
                     return Claim(ClaimResult.PENDING, "not known here (yet)")
@@ -206,7 +229,13 @@ class SendLeases:
                 self._finished_keys.add(key)
                 self.completed += 1
             elif key not in self._finished_keys and key not in self._gone:
-                _put_bounded(self._early, key, (now, prompt_digest), self._gone_cap)  # keys come from peers
+                early = self._early.get(key)
+                if early is None or other_prompt(prompt_digest, early.digest):
+                    early = _Early(now, prompt_digest)
+                    _put_bounded(self._early, key, early, self._gone_cap)  # keys come from peers
+                if consumer is not None and engine is not None and readers > 1:
+                    early.engine, early.readers = engine, readers
+                    early.done.add(consumer)
             return True
 
     def _held(self, lease: _Lease, now: float) -> None:
@@ -239,7 +268,7 @@ class SendLeases:
                 expired.add(lease.request_id)
                 self._end(key, "its lease expired before the consumer claimed it", lease)
             self.expired += len(expired)
-            for key in [key for key, (t, _digest) in self._early.items() if now - t > _EARLY_NOTICE_TTL_S]:
+            for key in [key for key, early in self._early.items() if now - early.at > _EARLY_NOTICE_TTL_S]:
                 del self._early[key]
             done, self._finished = self._finished, set()
             if self._replaced:

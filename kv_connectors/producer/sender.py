@@ -106,6 +106,9 @@ class Sender:
         # restarted under its engine id hand-shakes with other metadata).
         self._consumers: dict[str, KVLayout] = {}
         self._consumer_md: dict[str, bytes] = {}
+        self._consumer_engine: dict[str, str] = {}  # agent -> its engine id
+        self._at: dict[str, str] = {}  # a D rank's side-channel address -> the agent hand-shaking from it
+        self._retiring: set[str] = set()  # agents replaced at their address: forgotten once nothing is in flight
         # Push requests by (lease key, consumer agent): the D ranks reading one lease each ask.
         self._waiting: dict[WriteKey, _Write] = {}  # whose lease is not known yet
         self._writing: dict[WriteKey, _Write] = {}
@@ -188,6 +191,24 @@ class Sender:
             self._poll(wk, self._writing[wk], now)
         for key in [k for k, (_r, t) in self._cancelled.items() if now - t > _CANCEL_TTL_S]:
             del self._cancelled[key]
+        if self._retiring:
+            self._retire()
+
+    def _retire(self) -> None:
+        """Forget consumers replaced at their address, once no push of theirs waits or is in flight."""
+        busy = {wk[1] for wk in (*self._waiting, *self._writing, *self._layerwise)}
+        for agent in [a for a in self._retiring if a not in busy]:
+            self._retiring.discard(agent)
+            self._consumers.pop(agent, None)
+            self._consumer_md.pop(agent, None)
+            engine = self._consumer_engine.pop(agent, None)
+            if engine is not None and engine not in self._consumer_engine.values():
+                self._readers.pop(engine, None)
+            try:
+                self._transport.disconnect(agent)
+            except KVConnectorError as e:
+                logger.debug("could not disconnect consumer %s: %s", agent, e)
+            logger.info("consumer %s forgotten: a new process hand-shook from its address", agent)
 
     def _advance_waiting(self, wk: WriteKey, write: _Write, now: float) -> None:
         key = wk[0]
@@ -250,6 +271,13 @@ class Sender:
             if self._consumer_md.get(request.agent_name) != request.agent_metadata:  # a new D process
                 self._consumers[request.agent_name] = request.layout.to_layout()
                 self._consumer_md[request.agent_name] = request.agent_metadata
+            self._consumer_engine[request.agent_name] = request.engine_id
+            self._retiring.discard(request.agent_name)
+            if request.address:
+                old = self._at.get(request.address)
+                self._at[request.address] = request.agent_name
+                if old is not None and old != request.agent_name:
+                    self._retiring.add(old)  # that process is gone: its port is the new one's
             if request.tp_size != self._tp_size:  # the handshake checked that this can be mapped
                 self._readers[request.engine_id] = reader_count(self._total_heads, self._tp_size, request.tp_size, self._rank)
             else:  # restarted at our TP size under the same engine id

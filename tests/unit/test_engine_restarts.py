@@ -144,3 +144,39 @@ def test_staged_loads_recover_once_a_transient_disconnect_is_over():
         c.run(30)
     assert not ({"d2", "d3", "d4"} & c.d.failed_recving), f"loads after the link came back failed: {sorted(c.d.failed_recving)}"
     assert _staged_loaded(c)
+
+
+def _restart_d(c: Cluster, engine_id: str) -> None:
+    c.d.engine.close()
+    c.d.transport.close()
+    c.d = c._node(engine_id, "kv_consumer", D_PORT, {"handshake_timeout_s": 2, "transfer_timeout_s": 10}, fill=-1.0)
+
+
+def test_p_keeps_one_consumer_entry_for_a_decode_that_restarted_twenty_times():
+    """Each D restart comes with a new engine id (vLLM's default) at the same side-channel address:
+    P replaces the old consumer (its layout, metadata, transport connection) instead of keeping one
+    per process it ever served."""
+    c = Cluster(d_extra={"mode": "push"})
+    for i in range(20):
+        _restart_d(c, f"D{i}")
+        c.prefill_done(f"r{i}", P_BLOCKS)
+        c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec(PEER, f"r{i}", D_BLOCKS, P_BLOCKS)}))
+        c.run(6)
+        assert c.d.finished_recving == {f"d{i}"} and not c.d.failed_recving
+    sender = c.p.engine._sender
+    assert (len(sender._consumers), len(sender._consumer_md), len(sender._readers)) == (1, 1, 0)
+    assert c.p.transport._peers == {"D19-rank0"}, "P's transport keeps a connection per D process"
+
+
+def test_d_keeps_one_producer_entry_for_a_prefill_that_restarted_twenty_times():
+    c = Cluster()
+    for i in range(20):
+        c.p.engine.close()
+        c.p.transport.close()
+        c.p = c._node(f"P{i}", "kv_producer", P_PORT, {"lease_s": 5, "transfer_timeout_s": 10}, fill=1.0)
+        c.prefill_done(f"r{i}", P_BLOCKS)
+        c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec((f"P{i}", "127.0.0.1", P_PORT), f"r{i}", D_BLOCKS, P_BLOCKS)}))
+        c.run(6)
+        assert f"d{i}" in c.d.finished_recving and not c.d.failed_recving
+    assert len(c.d.engine._receiver.producers._peers) == 1
+    assert c.d.transport._peers == {"P19-rank0"}, "D's transport keeps a connection per P process"

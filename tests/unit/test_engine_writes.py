@@ -186,3 +186,24 @@ def test_a_pushed_lease_expires_when_one_decode_rank_never_asks():
     c.clock.advance(3600)
     c.run(3, nodes=(c.p,))
     assert c.p.finished_sending == {"r1"}
+
+
+def test_a_decode_rank_asking_after_the_other_ranks_early_notice_is_still_served():
+    """P at TP 1, D at TP 2, transfer-id flow, layer-wise push: rank 0's push request is here for the
+    forward pass, its write settles before P's lease exists (an early notice); rank 1 asks only after
+    the prefill finished. The early notice of one rank must not end the lease the other still reads."""
+    c = Cluster(d_tp=2, heads=2)
+    d1 = c.add_rank("kv_consumer", 1, 2, fill=-1.0)
+    spec = RecvSpec(ANY_P, "t1", D_BLOCKS, (), num_tokens=len(D_BLOCKS) * 4)
+    c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))
+    c.run(6, nodes=(c.d, d1, c.p))
+    assert len(c.p.engine._sender._waiting) == 1
+    c.p.step(StepMetadata(reqs_layerwise={"p-req": SendSpec(P_BLOCKS, "t1")}), layers=("layer.0", "layer.1"))
+    c.p.step(StepMetadata(reqs_to_send={"p-req": SendSpec(P_BLOCKS, "t1")}))  # the prefill finished
+    c.run(3, nodes=(c.d, c.p))
+    assert _loaded_ok(c.d, "d1")
+    assert not _reuse_if_freed(c, "p-req"), "rank 0's early notice freed the blocks rank 1 has yet to load"
+    d1.step(StepMetadata(reqs_to_recv={"d1": spec}))
+    c.run(8, nodes=(d1, c.p))
+    assert _loaded_ok(d1, "d1"), "rank 1 was refused"
+    assert c.p.finished_sending == {"p-req"} and c.p.engine.stats.expired_leases == 0
