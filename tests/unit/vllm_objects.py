@@ -2,16 +2,20 @@
 adapter tests (tests/unit/test_vllm_*.py; `make test-vllm-next` runs them on vLLM 0.33's sources):
 `Request` from `SamplingParams(extra_args={"kv_transfer_params": ...})`, both stand-ins vLLM sends
 only to run `request_finished` (`abort_immediately`), `KVCacheBlocks` of `KVCacheBlock`s (prefix
-hits carry a block hash, null blocks are vLLM's), a `SchedulerOutput` with `NewRequestData`, and a
-`VllmConfig` with the compilation config a GPU platform would leave."""
+hits carry a block hash, null blocks are vLLM's), a `SchedulerOutput` with `NewRequestData`, a
+`VllmConfig` with the compilation config a GPU platform would leave, and vLLM's own `Scheduler`
+(the tiny model's config, no weights) calling our connector's scheduler side."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import functools
+import json
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from vllm.config import CacheConfig, CompilationConfig, CUDAGraphMode, KVTransferConfig, VllmConfig
@@ -34,9 +38,11 @@ def request(
     *,
     max_tokens: int = 8,
     abort_immediately: bool = False,
+    hashed: bool = False,
 ) -> Request:
     """A request as vLLM's engine core makes it from an API request (EngineCoreRequest ->
-    Request.from_engine_core_request): kv_transfer_params travel in the sampling params' extra_args."""
+    Request.from_engine_core_request): kv_transfer_params travel in the sampling params' extra_args.
+    hashed: its full blocks hashed as the engine core hashes them (prefix caching; a scheduler's)."""
     extra = {"kv_transfer_params": dict(params)} if params is not None else None
     core = EngineCoreRequest(
         request_id=rid,
@@ -50,7 +56,14 @@ def request(
         data_parallel_rank=None,
         abort_immediately=abort_immediately,
     )
-    return Request.from_engine_core_request(core, block_hasher=None)
+    hasher = None
+    if hashed:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(BLOCK, sha256)
+    return Request.from_engine_core_request(core, block_hasher=hasher)
 
 
 def rejected_stand_in(rid: str, params: Mapping[str, Any]) -> Request:
@@ -127,3 +140,77 @@ def vllm_config(
     if cudagraph_mode is not None:
         cfg.compilation_config = CompilationConfig(cudagraph_mode=cudagraph_mode)
     return cfg
+
+
+# vLLM's own scheduler, calling our connector's scheduler-side hooks ------------------------------
+TINY_LLAMA = {  # kvc_testing.tiny_model's architecture: a config is all vLLM's scheduler reads
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+}
+MAX_MODEL_LEN = 512
+NUM_BLOCKS = 64
+
+
+@functools.cache
+def _model_config() -> Any:
+    from vllm.config import ModelConfig
+
+    folder = Path(tempfile.mkdtemp(prefix="kvc-tiny-config-"))
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
+
+
+def scheduler(role: str, extra: Mapping[str, Any] | None = None, *, transport: str = "nixl", chunk_tokens: int = 0) -> Any:
+    """vLLM's Scheduler as the engine core builds it, with our connector from the module-path form
+    (scheduler.connector) and a one-group KV cache of NUM_BLOCKS blocks; chunk_tokens: a token
+    budget per step that chunks longer prefills."""
+    import torch
+    from vllm.config import SchedulerConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    budget = chunk_tokens or MAX_MODEL_LEN
+    sched = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        enable_chunked_prefill=bool(chunk_tokens),
+        is_encoder_decoder=False,
+    )
+    cfg = VllmConfig(
+        model_config=_model_config(),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=sched,
+        kv_transfer_config=vllm_config(role, extra, transport=transport).kv_transfer_config,
+    )
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets from the workers' memory
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(TINY_LLAMA["num_hidden_layers"])]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    return Scheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=False)
+
+
+def model_output(sampled: Mapping[str, int | None] | None = None, **kv_connector_output: Any) -> Any:
+    """What the workers answer a step with: the token each scheduled request sampled (None: none,
+    a prefill chunk), and what our worker side reported (finished_sending, finished_recving,
+    failed_recving)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    sampled = dict(sampled or {})
+    return ModelRunnerOutput(
+        req_ids=list(sampled),
+        req_id_to_index={rid: i for i, rid in enumerate(sampled)},
+        sampled_token_ids=[[] if t is None else [t] for t in sampled.values()],
+        kv_connector_output=KVConnectorOutput(**kv_connector_output) if kv_connector_output else None,
+    )
