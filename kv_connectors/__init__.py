@@ -1,3 +1,3 @@
 """kv-connectors: KV-cache transfer connectors for vLLM prefill/decode disaggregation."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

@@ -52,6 +52,7 @@ KEY_SIDE: dict[str, Role] = {
     "layerwise": Role.PRODUCER,
     "lease_renew_after_s": Role.CONSUMER,
     "handshake_timeout_s": Role.CONSUMER,
+    "settle_timeout_s": Role.CONSUMER,
     "mode": Role.CONSUMER,
 }
 
