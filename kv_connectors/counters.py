@@ -5,7 +5,7 @@ point-in-time gauge) and its help text (in the field's `msgspec.Meta`). Everythi
 derived from it: the side channel's `wire.StatsReply` is `Counters` plus the engine id; the
 table `COUNTERS` below lists them for the vLLM adapter, which builds `KvcStats` (per-interval
 increments and gauges) and the `kvc:<name>` Prometheus metrics from it. Adding a counter here
-adds it everywhere; its producer sets it in `WorkerEngine._snapshot`.
+adds it everywhere; its producer sets it in `kv_connectors.snapshot`.
 
 Every value defaults to 0: a peer of an earlier release that lacks a newer counter still decodes.
 """

@@ -8,6 +8,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+import msgspec
+
 from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import ConfigError, TransferParamsError
@@ -86,7 +88,7 @@ class PushBook:
 
 
 class Admission:
-    """Answers D's side-channel requests for this producer rank."""
+    """Answers D's side-channel requests for this producer rank (the side-channel thread)."""
 
     def __init__(
         self,
@@ -95,17 +97,55 @@ class Admission:
         leases: SendLeases,
         book: PushBook,
         layout: KVLayout,
-        epoch: str,
+        compat: wire.CompatInfo,
+        identity: wire.HandshakeReply,
         clock: Callable[[], float],
         queue_push: Callable[[wire.PushRequest, float], None],
+        queue_handshake: Callable[[wire.HandshakeRequest], None],
     ) -> None:
+        """identity: what a handshake is answered (this rank's agent, metadata, layout, epoch, words)."""
         self._cfg = cfg
         self._leases = leases
         self._book = book
         self._layout = layout
-        self.epoch = epoch
+        self._compat = compat
+        self._hash = compat.hash()
+        self._identity = identity
+        self.epoch = identity.epoch
         self._clock = clock
         self._queue_push = queue_push
+        self._queue_handshake = queue_handshake
+
+    def handle(self, body: wire.Body) -> wire.Body:
+        """One request from a D (every kind but stats, which the worker answers)."""
+        if isinstance(body, wire.PushRequest):
+            return self.on_push(body)
+        if isinstance(body, wire.AbortPush):
+            return self.on_abort(body)
+        if isinstance(body, wire.ClaimRequest):
+            return self.on_claim(body)
+        if isinstance(body, wire.RenewRequest):
+            return self.on_renew(body)
+        if isinstance(body, wire.HandshakeRequest):
+            return self.on_handshake(body)
+        return wire.ErrorReply(wire.ErrorCode.BAD_REQUEST, f"unexpected {type(body).__name__}")
+
+    def on_handshake(self, body: wire.HandshakeRequest) -> wire.Body:
+        """A D rank hand-shakes: refused if it cannot read this rank's heads or its model differs;
+        else answered, and queued for the engine thread (which connects it, for push)."""
+        me = self._identity
+        why = tp_refusal(body, me.rank, me.tp_size, self._compat.num_kv_heads, self._layout)
+        if why:
+            logger.error("refused peer %s: %s", body.engine_id, why)
+            return wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, why)
+        if body.compat.hash() != self._hash:
+            diff = self._compat.diff(body.compat, mine="server", theirs="client")
+            logger.error("refused incompatible peer %s: %s", body.engine_id, diff)
+            return wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, diff)
+        logger.info("handshake from engine %s rank %d", body.engine_id, body.rank)
+        if body.agent_name and body.layout is not None:
+            self._queue_handshake(body)
+        return msgspec.structs.replace(me, epoch=self.epoch)
 
     def on_push(self, request: wire.PushRequest) -> wire.PushAck:
         """Queue a push request for the engine thread; the answer names this process (a D whose

@@ -80,13 +80,13 @@ class Sender:
         compat: wire.CompatInfo,
         layer_regions: Mapping[str, Sequence[int]] | None = None,
         *,
+        identity: wire.HandshakeReply,
         clock: Callable[[], float] = time.monotonic,
-        epoch: str = "",
-        rank: int = 0,
-        tp_size: int = 1,
         words: LeaseWords | None = None,
     ) -> None:
-        """words: this rank's lease words (kv_connectors.fence), registered with the transport."""
+        """identity: what this rank answers a handshake (its agent, epoch, rank and TP size...);
+        words: this rank's lease words (kv_connectors.fence), registered with the transport."""
+        epoch, rank, tp_size = identity.epoch, identity.rank, identity.tp_size
         self._cfg = cfg
         self._rank, self._tp_size, self._total_heads = rank, tp_size, compat.num_kv_heads
         self._readers: dict[str, int] = {}  # consumer engine -> how many of its ranks read from this rank
@@ -97,11 +97,19 @@ class Sender:
         self._layer_regions = {name: tuple(ids) for name, ids in (layer_regions or {}).items()}
         self.leases = SendLeases(words=words, epoch=epoch, writing=self._writes_from)
         self.book = PushBook()
-        self.admission = Admission(
-            cfg, leases=self.leases, book=self.book, layout=layout, epoch=epoch, clock=clock, queue_push=self._queue_push
-        )
-        # Push requests with the time they arrived (D's deadline runs from about then).
+        # Handshakes, and push requests with the time they arrived (D's deadline runs from about then).
         self._inbox: queue.SimpleQueue[wire.HandshakeRequest | tuple[wire.PushRequest, float]] = queue.SimpleQueue()
+        self.admission = Admission(
+            cfg,
+            leases=self.leases,
+            book=self.book,
+            layout=layout,
+            compat=compat,
+            identity=identity,
+            clock=clock,
+            queue_push=self._queue_push,
+            queue_handshake=self._inbox.put,
+        )
         # Agent name -> layout and transport metadata: a new layout object per D process (a D
         # restarted under its engine id hand-shakes with other metadata).
         self._consumers: dict[str, KVLayout] = {}
@@ -128,10 +136,6 @@ class Sender:
         self.admission.epoch = value
 
     # side-channel thread ------------------------------------------------------------------------
-    def on_handshake(self, request: wire.HandshakeRequest) -> None:
-        if request.agent_name and request.layout is not None:
-            self._inbox.put(request)
-
     def _queue_push(self, request: wire.PushRequest, received_at: float) -> None:
         self._inbox.put((request, received_at))
 

@@ -10,11 +10,10 @@ import msgspec
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
-from kv_connectors import counters, wire
+from kv_connectors import counters, snapshot, wire
 from kv_connectors.counters import COUNTERS, Kind
 from kv_connectors.vllm import stats
 from kv_connectors.vllm.stats import IntervalStats, KvcPromMetrics, KvcStats
-from kv_connectors.worker import WorkerEngine
 
 # The names the e2e tests, benchmarks and dashboards read (side-channel stats keys; kvc:<name> metrics).
 NAMES = (
@@ -127,9 +126,9 @@ def test_staging_allocated_bytes_is_in_every_table():
 
 
 def test_the_engine_produces_every_counter():
-    """WorkerEngine._snapshot (and its staging part) sets each one: none is left at its default 0."""
+    """kv_connectors.snapshot (and its staging part) sets each one: none is left at its default 0."""
     produced: set[str] = set()
-    for fn in (WorkerEngine._snapshot, WorkerEngine._staging_stats):
+    for fn in (snapshot.snapshot, snapshot._staging_stats):
         for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
             if isinstance(node, ast.keyword) and node.arg:
                 produced.add(node.arg)

@@ -160,11 +160,13 @@ def test_renew_keeps_a_queued_requests_lease():
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
     reply = (
-        c.fabric.client().submit("127.0.0.1", P_PORT, wire.RenewRequest("D", ["r1", "zz"]), c.d.engine._compat.hash(), 1).result()
+        c.fabric.client()
+        .submit("127.0.0.1", P_PORT, wire.RenewRequest("D", ["r1", "zz"]), c.d.engine.parts.compat.hash(), 1)
+        .result()
     )
     assert isinstance(reply, wire.RenewReply) and reply.known == [True, False] and reply.lease_s == 5
     c.clock.advance(4)
-    c.fabric.client().submit("127.0.0.1", P_PORT, wire.RenewRequest("D", ["r1"]), c.d.engine._compat.hash(), 1)
+    c.fabric.client().submit("127.0.0.1", P_PORT, wire.RenewRequest("D", ["r1"]), c.d.engine.parts.compat.hash(), 1)
     c.clock.advance(4)  # 8 s after the prefill: expired without the renewal
     c.p.step()
     assert not c.p.finished_sending

@@ -83,7 +83,7 @@ def _mutations(rng: random.Random, keys: list[str]) -> list[wire.Body]:
 def test_fuzzed_side_channel_and_notifications_leave_both_engines_serving():
     global c_compat
     c = Cluster()
-    c_compat = c.p.engine._compat
+    c_compat = c.p.engine.parts.compat
     _serves(c, "before-fuzz")  # hand-shaken: D's transport reaches P's
     c.prefill_done("held", P_BLOCKS)  # a lease a fuzzer must not free or read
     rng = random.Random(7)
@@ -107,7 +107,7 @@ def test_fuzzed_side_channel_and_notifications_leave_both_engines_serving():
         if n % 50 == 0:
             c.run(1, dt=0.01)
     c.run(3)
-    leases = c.p.engine._sender.leases
+    leases = c.p.engine.parts.sender.leases
     assert len(leases._early) <= 100_000 and len(leases._gone) <= 100_000
     # Nothing a fuzzer sent without our hash touched the held lease: D can still read it.
     held_free = "held" in c.p.finished_sending
@@ -130,6 +130,6 @@ def test_producers_named_by_failed_requests_are_forgotten():
         c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec(peer, "x", (5,), (1,), remote_tp_size=1)}))
     c.run(5)
     assert len(c.d.failed_recving) == 500
-    rx = c.d.engine._receiver.producers
+    rx = c.d.engine.parts.receiver.producers
     assert not rx._peers and not rx._expected
     assert len(c.fabric.forgotten) == 500

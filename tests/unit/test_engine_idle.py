@@ -137,7 +137,7 @@ def test_d_waits_for_the_claim_answer_up_to_the_cap_once_its_read_is_done():
     c.d.client.hold_types = (wire.ClaimRequest,)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(3, nodes=(c.d,))  # the read completes; the claim's answer is on its way
-    assert not c.d.engine._receiver.polling() and c.d.engine._receiver.awaiting()
+    assert not c.d.engine.parts.receiver.polling() and c.d.engine.parts.receiver.awaiting()
     c.d.step(idle=True)
     assert c.d.waits == [0.002], "the answer wakes D: no need to come back sooner than the cap"
 

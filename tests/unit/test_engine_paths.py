@@ -284,12 +284,12 @@ def test_restarted_producer_refuses_claims_made_with_the_old_handshake():
     c.prefill_done("r0", (8,))
     Cluster.recv(c.d, "d0", "r0", (9,), (8,))
     c.run()
-    c.p.engine._sender.epoch = "restarted"  # what a new process on the same address would say
+    c.p.engine.parts.sender.epoch = "restarted"  # what a new process on the same address would say
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run()
     assert c.d.failed_recving == {"d1"}
-    assert PEER not in c.d.engine._receiver.producers._peers  # forgotten: the next request hand-shakes anew
+    assert PEER not in c.d.engine.parts.receiver.producers._peers  # forgotten: the next request hand-shakes anew
 
 
 def test_push_asking_for_more_blocks_than_p_has_is_refused():

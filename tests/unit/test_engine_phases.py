@@ -117,7 +117,7 @@ def test_producer_that_cannot_connect_to_d_fails_the_push_and_frees_at_once_d_at
     once and frees the blocks without waiting for the lease; D, which P cannot notify, fails at its
     own deadline."""
     c = Cluster(d_extra={"mode": "push"})
-    c.d.engine._receiver.producers._local_metadata = b"not D's agent"
+    c.d.engine.parts.receiver.producers._local_metadata = b"not D's agent"
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run()
@@ -223,7 +223,7 @@ def test_closing_p_aborts_its_writes_in_flight():
     c.fabric.frozen.add("D-rank0")
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(2)
-    (handle,) = c.p.engine._sender._writing[("r1", "D-rank0", "d1")].handles
+    (handle,) = c.p.engine.parts.sender._writing[("r1", "D-rank0", "d1")].handles
     c.p.engine.close()
     assert ("127.0.0.1", P_PORT) not in c.fabric.servers and "P-rank0" not in c.fabric.agents
     c.fabric.frozen.discard("D-rank0")
@@ -431,7 +431,7 @@ def test_a_bug_in_the_transport_fails_that_load_not_the_step(monkeypatch):
 def test_a_bug_while_a_push_waits_fails_that_push_not_the_step(monkeypatch):
     c = Cluster()
     _recv(c.d, "d1", RecvSpec(ANY_P, "xfer-1", D_BLOCKS, ()))
-    leases = c.p.engine._sender.leases
+    leases = c.p.engine.parts.sender.leases
 
     def broken(key):
         raise RuntimeError("bug")
@@ -452,7 +452,7 @@ def test_closing_d_releases_its_read_in_flight():
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(2)
-    handle = c.d.engine._receiver._tasks[(RecvKind.LOAD, "d1")].read.handle
+    handle = c.d.engine.parts.receiver._tasks[(RecvKind.LOAD, "d1")].read.handle
     c.d.engine.close()
     assert ("127.0.0.1", 7002) not in c.fabric.servers and "D-rank0" not in c.fabric.agents
     c.clock.advance(2)

@@ -107,7 +107,7 @@ def test_a_push_notice_does_not_complete_a_read():
     c.prefill_done("r1", P_BLOCKS)
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(3)
-    c.p.transport.send_notif("D-rank0", wire.encode(wire.TransferDone("d1", "P"), c.p.engine._hash))
+    c.p.transport.send_notif("D-rank0", wire.encode(wire.TransferDone("d1", "P"), c.p.engine.parts.hash))
     c.run(1)
     assert "d1" not in c.d.finished_recving, "D counted its load with the read still in flight"
     c.clock.advance(5.0)
@@ -163,7 +163,7 @@ def test_p_keeps_one_consumer_entry_for_a_decode_that_restarted_twenty_times():
         c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec(PEER, f"r{i}", D_BLOCKS, P_BLOCKS)}))
         c.run(6)
         assert c.d.finished_recving == {f"d{i}"} and not c.d.failed_recving
-    sender = c.p.engine._sender
+    sender = c.p.engine.parts.sender
     assert (len(sender._consumers), len(sender._consumer_md), len(sender._readers)) == (1, 1, 0)
     assert c.p.transport._peers == {"D19-rank0"}, "P's transport keeps a connection per D process"
 
@@ -178,5 +178,5 @@ def test_d_keeps_one_producer_entry_for_a_prefill_that_restarted_twenty_times():
         c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec((f"P{i}", "127.0.0.1", P_PORT), f"r{i}", D_BLOCKS, P_BLOCKS)}))
         c.run(6)
         assert f"d{i}" in c.d.finished_recving and not c.d.failed_recving
-    assert len(c.d.engine._receiver.producers._peers) == 1
+    assert len(c.d.engine.parts.receiver.producers._peers) == 1
     assert c.d.transport._peers == {"P19-rank0"}, "D's transport keeps a connection per P process"

@@ -104,7 +104,7 @@ def test_a_read_from_a_producer_that_restarted_is_reported_only_once_it_ended():
     _recv(c.d, "d0", RecvSpec(PEER, "r0", (9,), (8,)))
     c.run()
     c.d.transport.delay_s = 1.0
-    c.p.engine._sender.epoch = "restarted"  # a new process answers the claim
+    c.p.engine.parts.sender.epoch = "restarted"  # a new process answers the claim
     c.prefill_done("r1", P_BLOCKS)
     _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
     c.run(3)
@@ -300,7 +300,7 @@ def test_a_staged_reads_slot_stays_out_of_the_pool_until_its_inner_read_ended(mo
     _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
     c.run(30)
     assert len(calls) >= 3 and "d1" in c.d.failed_recving
-    staging = c.d.engine._staging
+    staging = c.d.engine.parts.staging
     assert staging is not None and staging.pool_stats()["slots_in_use"] >= 1, "the slot went back with its read moving"
     c.fabric.frozen.discard("P-rank0")  # the late bytes land, in the slot nobody else has
     c.run(30)

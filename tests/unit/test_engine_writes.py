@@ -44,7 +44,7 @@ def test_a_release_does_not_free_blocks_a_push_write_is_reading():
     c.prefill_done("r1", P_BLOCKS)
     _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS, prompt_digest="A"))
     c.run(4)
-    assert c.p.engine._sender._writing, "the write is in flight"
+    assert c.p.engine.parts.sender._writing, "the write is in flight"
     _recv(c.d, "d2", RecvSpec(PEER, "r1", (), (), report=False, prompt_digest="A"))
     c.run(4)
     assert not _reuse_if_freed(c, "r1"), "P freed blocks its write was still reading"
@@ -63,7 +63,7 @@ def test_another_readers_notice_does_not_free_blocks_a_push_write_is_reading():
     c.prefill_done("r1", P_BLOCKS)
     _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
     c.run(4, nodes=(c.d, c.p))
-    assert c.p.engine._sender._writing
+    assert c.p.engine.parts.sender._writing
     _recv(d2, "x", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
     d2.transport.delay_s = 0.0
     c.run(6, nodes=(d2, c.p))
@@ -85,7 +85,7 @@ def test_one_decode_ranks_early_notice_waits_for_the_other_ranks_write():
     for d in (c.d, d1):
         d.step(StepMetadata(reqs_to_recv={"d1": spec}))
     c.run(6, nodes=(c.d, d1, c.p))  # both D ranks: TP probe, handshake, push request
-    assert len(c.p.engine._sender._waiting) == 2
+    assert len(c.p.engine.parts.sender._waiting) == 2
     c.fabric.frozen.add("D-rank1")  # the write into D rank 1 stays in flight
     c.p.step(StepMetadata(reqs_layerwise={"p-req": SendSpec(P_BLOCKS, "t1")}), layers=("layer.0", "layer.1"))
     c.p.step(StepMetadata(reqs_to_send={"p-req": SendSpec(P_BLOCKS, "t1")}))  # the prefill finished
@@ -144,7 +144,7 @@ def test_a_second_push_under_the_same_key_and_agent_is_a_second_write():
     c.p.transport.delay_s = 0.0  # the second is fast (D had a prefix hit: one block)
     _recv(c.d, "d2", RecvSpec(PEER, "r1", (9,), (3,)))
     c.run(4)
-    assert any(posted[0] in w.handles for w in c.p.engine._sender._writing.values()), "first write untracked"
+    assert any(posted[0] in w.handles for w in c.p.engine.parts.sender._writing.values()), "first write untracked"
     assert not _reuse_if_freed(c, "r1"), "P freed blocks the first write was still reading"
     c.clock.advance(1.0)
     c.run(4)
@@ -197,7 +197,7 @@ def test_a_decode_rank_asking_after_the_other_ranks_early_notice_is_still_served
     spec = RecvSpec(ANY_P, "t1", D_BLOCKS, (), num_tokens=len(D_BLOCKS) * 4)
     c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))
     c.run(6, nodes=(c.d, d1, c.p))
-    assert len(c.p.engine._sender._waiting) == 1
+    assert len(c.p.engine.parts.sender._waiting) == 1
     c.p.step(StepMetadata(reqs_layerwise={"p-req": SendSpec(P_BLOCKS, "t1")}), layers=("layer.0", "layer.1"))
     c.p.step(StepMetadata(reqs_to_send={"p-req": SendSpec(P_BLOCKS, "t1")}))  # the prefill finished
     c.run(3, nodes=(c.d, c.p))

@@ -1,0 +1,200 @@
+"""A worker's parts, built in order once vLLM registers the KV cache: the side-channel server (bound
+first: a port in use fails start-up before anything else), the transport with the KV cache (directly
+or through a staging pool), the lease words, then D's and P's wings over them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import msgspec
+
+from kv_connectors import sidechannel, wire
+from kv_connectors.config import ConnectorConfig, Staging
+from kv_connectors.consumer.ranks import Ranks
+from kv_connectors.consumer.receiver import Receiver
+from kv_connectors.consumer.renewer import Renewer
+from kv_connectors.errors import TransportError
+from kv_connectors.fence import LeaseWords
+from kv_connectors.layout import KVLayout
+from kv_connectors.producer.sender import Sender
+from kv_connectors.transports.base import MemoryKind, Transport
+from kv_connectors.transports.staging import StagedTransport
+
+logger = logging.getLogger(__name__)
+
+TransportFactory = Callable[[str], Transport]
+
+
+class Server(Protocol):
+    compat_hash: str
+
+    def close(self) -> None: ...
+
+
+# (bind host, port, compat hash, handler, max message bytes, shared secret) -> a listening server
+ServerFactory = Callable[[str, int, str, Callable[[wire.Body], wire.Body], int, bytes | None], Server]
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Who the worker is: its config, tensor-parallel rank and size, and this start's epoch."""
+
+    cfg: ConnectorConfig
+    rank: int
+    tp_size: int
+    epoch: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """A registered worker: every part built, none missing."""
+
+    server: Server
+    transport: Transport
+    staging: StagedTransport | None  # the same object as transport, where the KV moves through a pool
+    layout: KVLayout
+    compat: wire.CompatInfo  # with the kind of transfer both peers must use
+    hash: str
+    receiver: Receiver
+    ranks: Ranks
+    renewer: Renewer
+    sender: Sender
+
+
+def assemble(
+    where: Where,
+    layout: KVLayout,
+    compat: wire.CompatInfo,
+    *,
+    kind: MemoryKind,
+    device_id: int,
+    layer_regions: Mapping[str, Sequence[int]] | None,
+    make_transport: TransportFactory,
+    transport_label: str,
+    serve: ServerFactory,
+    handler: Callable[[wire.Body], wire.Body],
+    client: sidechannel.Client,
+    clock: Callable[[], float],
+) -> Parts:
+    cfg, rank = where.cfg, where.rank
+    server = serve(
+        cfg.bind_host,
+        cfg.side_channel_port_for_rank(rank),
+        compat.hash(),
+        handler,
+        cfg.side_channel_max_msg_kib * 1024,
+        cfg.side_channel_secret or None,
+    )
+    try:
+        transport, staging = _registered_transport(cfg, f"{cfg.engine_id}-rank{rank}", layout, kind, device_id, make_transport)
+    except BaseException:
+        server.close()
+        raise
+    # Both peers must move data the same way (same engine; staged or not).
+    compat = msgspec.structs.replace(compat, transport=transport_label + ("+staging" if staging is not None else ""))
+    compat_hash = server.compat_hash = compat.hash()
+    try:
+        words, scratch = _register_words(cfg, transport, layout, kind, staged=staging is not None)
+        # Fixed once the memory is registered; read here so that the side-channel thread never calls
+        # into the engine (NIXL agents are not thread-safe, and a long post on the engine thread would
+        # stall every handshake behind the engine's lock).
+        local_metadata = transport.local_metadata()
+    except BaseException:
+        transport.close()
+        server.close()
+        raise
+    receiver = Receiver(
+        cfg,
+        rank,
+        where.tp_size,
+        transport,
+        layout,
+        compat,
+        client=client,
+        clock=clock,
+        local_metadata=local_metadata,
+        scratch=scratch,
+    )
+    renewer = Renewer(cfg.engine_id, compat_hash, client, cfg.handshake_timeout_s, clock)
+    ranks = Ranks(
+        cfg, rank, where.tp_size, compat.num_kv_heads, layout, receiver=receiver, renewer=renewer, client=client, clock=clock
+    )
+    identity = wire.HandshakeReply(
+        engine_id=cfg.engine_id,
+        agent_name=transport.name,
+        agent_metadata=local_metadata,
+        layout=wire.LayoutMsg.from_layout(layout),
+        epoch=where.epoch,
+        rank=rank,
+        tp_size=where.tp_size,
+        lease_words=0 if words is None else words.base,
+    )
+    # Layer-wise push writes straight from the KV cache: not through a staging pool.
+    layers = layer_regions if staging is None and cfg.layerwise else None
+    sender = Sender(cfg, transport, layout, compat, layers, identity=identity, clock=clock, words=words)
+    logger.info(
+        "KV cache registered: %d blocks x %d bytes in %d regions, %s, compat hash %s",
+        layout.num_blocks,
+        layout.block_bytes,
+        len(layout.regions),
+        layout.cells or "whole blocks only",
+        compat_hash,
+    )
+    return Parts(server, transport, staging, layout, compat, compat_hash, receiver, ranks, renewer, sender)
+
+
+def _register_words(
+    cfg: ConnectorConfig, transport: Transport, layout: KVLayout, kind: MemoryKind, staged: bool
+) -> tuple[LeaseWords | None, LeaseWords | None]:
+    """Lease words (kv_connectors.fence) beside a host KV cache moved directly: P's, and D's scratch
+    they are read into. Not with a staging pool (it moves KV blocks only) or device memory (the
+    words live in host memory, which one transfer cannot mix with the KV's)."""
+    if not cfg.lease_words or staged or kind is not MemoryKind.HOST:
+        return None, None
+    words = LeaseWords(layout.num_blocks) if cfg.role.produces else None
+    scratch = LeaseWords(layout.num_blocks) if cfg.role.consumes else None
+    for w in (words, scratch):
+        if w is not None:
+            transport.register(w.layout, MemoryKind.HOST)
+    return words, scratch
+
+
+def _registered_transport(
+    cfg: ConnectorConfig, name: str, layout: KVLayout, kind: MemoryKind, device_id: int, make: TransportFactory
+) -> tuple[Transport, StagedTransport | None]:
+    """The transport with the KV cache registered: directly, or through a staging pool when asked
+    (staging=on) or when device memory cannot be registered (staging=auto)."""
+    if cfg.staging is Staging.ON:
+        staged = _staged(cfg, name, layout, kind, device_id, make)
+        return staged, staged
+    transport = make(name)
+    try:
+        transport.register(layout, kind, device_id)
+        return transport, None
+    except TransportError as e:
+        transport.close()
+        if cfg.staging is not Staging.AUTO or kind is not MemoryKind.DEVICE:
+            raise
+        logger.warning(
+            "device memory cannot be registered with the transport (%s): staging through a %d KiB host pool",
+            e,
+            cfg.staging_pool_kib,
+        )
+    staged = _staged(cfg, name, layout, kind, device_id, make)
+    return staged, staged
+
+
+def _staged(
+    cfg: ConnectorConfig, name: str, layout: KVLayout, kind: MemoryKind, device_id: int, make: TransportFactory
+) -> StagedTransport:
+    inner = make(name)
+    try:
+        staged = StagedTransport(inner, pool_bytes=cfg.staging_pool_kib * 1024, chunk_bytes=cfg.staging_chunk_kib * 1024)
+        staged.register(layout, kind, device_id)
+    except BaseException:
+        inner.close()
+        raise
+    return staged

@@ -1,0 +1,51 @@
+"""The worker's counters (kv_connectors.counters) as of now, read from its parts."""
+
+from __future__ import annotations
+
+from kv_connectors import wire
+from kv_connectors.assembly import Parts, Where
+
+
+def snapshot(where: Where, parts: Parts, idle_steps: int) -> wire.StatsReply:
+    t, leases, sender = parts.receiver.totals, parts.sender.leases, parts.sender
+    settling, quarantined, quarantined_bytes = parts.receiver.settling()
+    return wire.StatsReply(
+        engine_id=where.cfg.engine_id,
+        rank=where.rank,
+        tp_size=where.tp_size,
+        held_requests=leases.held_requests,
+        held_blocks=leases.held_blocks,
+        completed_sends=leases.completed,
+        expired_leases=leases.expired,
+        recv_transfers=t.transfers,
+        recv_failures=t.failures,
+        recv_bytes=t.bytes,
+        recv_blocks=t.blocks,
+        recv_descriptors=t.descriptors,
+        recv_seconds=t.seconds,
+        pushes=sender.pushes,
+        layerwise_pushes=sender.layerwise_pushes,
+        push_failures=sender.push_failures,
+        claims_granted=leases.claims_granted,
+        claims_refused=leases.claims_refused,
+        stale_reads_refused=parts.receiver.claims_refused,
+        reads_fenced_by_words=parts.receiver.fenced_by_words,
+        lease_renewals=parts.renewer.renewals,
+        idle_steps=idle_steps,
+        settled_loads=t.settled,
+        settling_loads=settling,
+        quarantined_loads=quarantined,
+        quarantined_bytes=quarantined_bytes,
+        **_staging_stats(parts),
+    )
+
+
+def _staging_stats(parts: Parts) -> dict[str, int]:
+    if parts.staging is None:
+        return {}
+    ps = parts.staging.pool_stats()
+    return {
+        "staging_pool_bytes": int(ps["pool_bytes"]),
+        "staging_peak_bytes": int(ps["peak_slots_in_use"]) * int(ps["chunk_bytes"]),
+        "staging_allocated_bytes": int(ps.get("allocated_bytes", ps["pool_bytes"])),
+    }
