@@ -42,8 +42,6 @@ VENV = ROOT / ".venv" / "gpu-check"
 DEFAULT_BUDGET_S = 480.0
 # What the checks themselves import beyond kv-connectors' extras (the tiny model, pytest).
 CHECK_PACKAGES = ("transformers", "tokenizers", "safetensors", "httpx", "pytest", "pytest-timeout")
-# Until pyproject names a `gpu` extra: vLLM for CUDA in the tested range and the CUDA Mooncake wheel.
-GPU_FALLBACK = ("vllm>=0.32,<0.34", "mooncake-transfer-engine")
 APT_PACKAGES = ("libibverbs1", "libnl-3-200", "libnl-route-3-200")  # Mooncake needs them even for TCP
 RATIO_KEYS = (
     "ttft_vs_builtin_seeded",
@@ -244,7 +242,7 @@ def install_commands(python: Path, wheels: Path | None) -> dict[str, list[list[s
     if wheels is not None:
         pip += ["--no-index", "--find-links", str(wheels)]
     transport = [*extras[""], *extras.get("nixl", ())]
-    vllm = [*(extras["gpu"] if "gpu" in extras else GPU_FALLBACK), *extras.get("proxy", ()), *CHECK_PACKAGES]
+    vllm = [*extras["gpu"], *extras["proxy"], *CHECK_PACKAGES]  # gpu: vLLM for CUDA, CUDA Mooncake
     return {
         "install-transport": [[sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], [*pip, *transport]],
         # kv-connectors itself last, without its dependencies: vLLM's entry point and the proxy command.

@@ -51,6 +51,17 @@ def test_the_running_vllm_is_in_the_tested_range():
     assert compat.untested_vllm(compat.VLLM_VERSION) is None, compat.VLLM_VERSION
 
 
+def test_the_gpu_extra_declares_the_tested_range():
+    """What users install on GPU hosts and what start-up warns outside of are one range."""
+    from pathlib import Path
+
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = [r for r in extras["gpu"] if r.startswith("vllm")]
+    assert declared == [f"vllm{compat.TESTED_VLLM}"], declared
+
+
 @pytest.mark.parametrize(
     ("version", "tested"),
     [
