@@ -235,17 +235,28 @@ def pyproject_extras() -> dict[str, list[str]]:
     return {"": list(project.get("dependencies", ())), **project.get("optional-dependencies", {})}
 
 
+# Run by the host's python3 into the new venv: the host's own site packages after the venv's, also
+# where python3 is itself a venv (whose packages --system-site-packages would not see): its torch.
+_HOST_SITE = (
+    "import pathlib, site, sys; v = sys.version_info; "
+    "pathlib.Path(sys.argv[1], 'lib', f'python{v.major}.{v.minor}', 'site-packages', 'kvc_host_site.pth')"
+    ".write_text(chr(10).join(site.getsitepackages()) + chr(10))"
+)
+
+
 def install_commands(python: Path, wheels: Path | None) -> dict[str, list[list[str]]]:
-    """The commands of each install tier (the venv shares the host's site packages: its torch)."""
+    """The commands of each install tier: a venv that sees the host's packages (its torch), the
+    transport's packages, then the gpu extra (vLLM for CUDA, CUDA Mooncake), the proxy and the
+    checks' packages, and kv-connectors itself (vLLM's entry point, the proxy command)."""
     extras = pyproject_extras()
     pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     if wheels is not None:
         pip += ["--no-index", "--find-links", str(wheels)]
-    transport = [*extras[""], *extras.get("nixl", ())]
-    vllm = [*extras["gpu"], *extras["proxy"], *CHECK_PACKAGES]  # gpu: vLLM for CUDA, CUDA Mooncake
+    transport = [*extras[""], *extras.get("nixl", ()), "setuptools>=70.1"]  # setuptools: the editable install
+    vllm = [*extras["gpu"], *extras["proxy"], *CHECK_PACKAGES]
+    venv = [sys.executable, "-m", "venv", "--system-site-packages", str(VENV)]
     return {
-        "install-transport": [[sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], [*pip, *transport]],
-        # kv-connectors itself last, without its dependencies: vLLM's entry point and the proxy command.
+        "install-transport": [venv, [sys.executable, "-c", _HOST_SITE, str(VENV)], [*pip, *transport]],
         "install-vllm": [[*pip, *vllm], [*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)]],
     }
 
