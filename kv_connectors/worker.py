@@ -21,6 +21,7 @@ from kv_connectors.errors import KVConnectorError
 from kv_connectors.idle import IdlePacer
 from kv_connectors.layout import KVLayout
 from kv_connectors.logutil import RateLimitedLog
+from kv_connectors.producer.sender import Ready
 from kv_connectors.snapshot import snapshot
 from kv_connectors.specs import StepMetadata
 from kv_connectors.transports.base import MemoryKind
@@ -200,13 +201,19 @@ class WorkerEngine:
         if self._parts is not None:
             self._parts.sender.begin_layerwise(meta.reqs_layerwise)
 
-    def on_layer_saved(self, layer_name: str) -> None:
+    def on_layer_saved(self, layer_name: str, ready: Ready | None = None) -> None:
+        """A layer's attention returned; ready: the device ran the kernels filling its KV (None: it did)."""
         if self._parts is not None:
-            self._parts.sender.on_layer_saved(layer_name)
+            self._parts.sender.on_layer_saved(layer_name, ready)
 
-    def end_of_forward(self) -> None:
+    def end_of_forward(self, ready: Ready | None = None) -> None:
+        """The forward pass returned; ready: the device ran its kernels (None: it did)."""
         if self._parts is not None:
-            self._parts.sender.end_layerwise()
+            self._parts.sender.end_layerwise(ready)
+
+    def writes_layers(self) -> bool:
+        """A layer-wise push follows this forward pass (the adapter records device signals only then)."""
+        return self._parts is not None and self._parts.sender.writes_layers()
 
     # results ----------------------------------------------------------------------------------
     def take_results(self) -> tuple[set[str], set[str], set[str]]:

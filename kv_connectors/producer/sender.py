@@ -56,11 +56,16 @@ class _Write:
     stopping: str = ""  # timed out or aborted by D: its handles are aborted; a write that lands whole still counts
     consumer: KVLayout | None = None  # D's layout when it asked: the process whose blocks these are
     aborted: set[int] = dataclasses.field(default_factory=set)  # id() of handles told to abort
+    # Layer-wise: regions whose KV the device has not finished writing yet, with the signal that says so.
+    pending: list[tuple[tuple[int, ...], Ready]] = dataclasses.field(default_factory=list)
 
 
 # (the lease key D names the blocks by, the consumer rank's agent, its request there): two D
 # requests for one lease (a router's duplicate) are two writes, each answered.
 WriteKey = tuple[str, str, str]
+# The device has run the kernels queued before the signal was made (a CUDA event's query(), from the
+# adapter): on a GPU a layer's KV is in the cache only once its kernels ran, not when its hook returned.
+Ready = Callable[[], bool]
 
 
 def _tail(own: tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -173,6 +178,10 @@ class Sender:
     def polling(self) -> bool:
         """A write is in flight or follows this step's forward pass (its completion is polled)."""
         return bool(self._writing or self._layerwise)
+
+    def writes_layers(self) -> bool:
+        """A layer-wise write follows this step's forward pass."""
+        return bool(self._layerwise)
 
     def take_requests(self) -> None:
         """Act on what the side channel queued (handshakes connect consumers, push requests wait for
@@ -372,32 +381,55 @@ class Sender:
                 write.regions_left = set(range(len(self._layout.regions)))
                 self._layerwise[wk] = write
 
-    def on_layer_saved(self, layer_name: str) -> None:
-        """A layer's KV is in the cache: write its regions of every layer-wise push."""
+    def on_layer_saved(self, layer_name: str, ready: Ready | None = None) -> None:
+        """A layer's attention op returned: write its regions of every layer-wise push once its KV is
+        in the cache (ready: the device ran the kernels that fill it; None: it is, as on a CPU)."""
         if not self._layerwise:
             return
         regions = self._layer_regions.get(layer_name, ())
         for write in self._layerwise.values():
             write.layers_in_forward += 1
-            self._post_regions(write, regions)
+            self._write_regions(write, regions, ready)
 
-    def end_layerwise(self) -> None:
-        """After the forward pass: write what no layer hook covered; then wait for completion."""
+    def end_layerwise(self, ready: Ready | None = None) -> None:
+        """After the forward pass: write what no layer hook covered (once the pass's kernels ran:
+        ready); then wait for completion."""
         for wk in list(self._layerwise):
             write = self._layerwise.pop(wk)
-            self._post_regions(write, tuple(write.regions_left))
+            self._write_regions(write, tuple(write.regions_left), ready)
             self._writing[wk] = write
 
-    def _post_regions(self, write: _Write, regions: Sequence[int]) -> None:
-        """Post a write of these regions; a failure marks the write, which end_layerwise hands to _poll."""
-        todo = sorted(r for r in regions if r in write.regions_left)
+    def _write_regions(self, write: _Write, regions: Sequence[int], ready: Ready | None) -> None:
+        """Post these regions now if their KV is in the cache, else once it is (_poll)."""
+        todo = tuple(sorted(r for r in regions if r in write.regions_left))
         if not todo or write.error:
+            return
+        write.regions_left.difference_update(todo)
+        if ready is None or ready():
+            self._post_regions(write, todo)
+        else:
+            write.pending.append((todo, ready))
+
+    def _post_pending(self, write: _Write) -> None:
+        """Post the pending regions whose KV the device has written (in order: a later signal is
+        never ready before an earlier one); none once the write failed or stops."""
+        if write.error or write.stopping:
+            if write.pending:
+                write.error = write.error or write.stopping  # regions left unwritten: it fails
+                write.pending.clear()
+            return
+        while write.pending and write.pending[0][1]():
+            regions, _ready = write.pending.pop(0)
+            self._post_regions(write, regions)
+
+    def _post_regions(self, write: _Write, todo: Sequence[int]) -> None:
+        """Post a write of these regions; a failure marks the write, which end_layerwise hands to _poll."""
+        if write.error:
             return
         if self.book.aborted(write.request):  # D gave up: no more of it is written
             write.error = _ABORTED
             write.regions_left.clear()
             return
-        write.regions_left.difference_update(todo)
         req = write.request
         assert write.dst is not None
         try:
@@ -416,6 +448,7 @@ class Sender:
             write.stopping = _ABORTED
         if not write.stopping and now > write.deadline:
             write.stopping = f"write timed out after {self._cfg.transfer_timeout_s:g} s"
+        self._post_pending(write)
         for handle in list(write.handles):
             try:
                 state: XferState | None = self._transport.poll(handle)
@@ -434,8 +467,8 @@ class Sender:
                     write.error = write.error or write.stopping
                     self._transport.release(handle)
                     write.handles.remove(handle)
-        if write.handles:
-            return  # in flight, or settling
+        if write.handles or write.pending:
+            return  # in flight, settling, or waiting for the device
         del self._writing[wk]
         req = write.request
         self.book.end(req)

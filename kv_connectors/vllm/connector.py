@@ -25,7 +25,7 @@ from kv_connectors.layout import (
 from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.transports import create_transport
 from kv_connectors.transports.base import MemoryKind, Transport
-from kv_connectors.vllm import compat
+from kv_connectors.vllm import compat, device
 from kv_connectors.vllm.metadata import ConnectorMetadata
 from kv_connectors.vllm.scheduler import SchedulerSide
 from kv_connectors.vllm.stats import KvcPromMetrics, KvcStats
@@ -140,12 +140,13 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0) % tp_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._kv_device: torch.device | None = None  # the KV cache's GPU, once registered (None: host memory)
         if role == compat.KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.side_channel_port_for_rank(0), tp_size=tp_size)
         else:
             # On the thread vLLM creates us on (the engine's), before it starts its output threads.
-            device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
-            affinity.apply(self._cfg.engine_cpus, str(device or ""))
+            device_type = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+            affinity.apply(self._cfg.engine_cpus, str(device_type or ""))
             self._worker = WorkerSide(self._cfg, rank, self.make_transport, self.transport_name, tp_size=tp_size)
         logger.info(
             "%s (%s) role=%s engine=%s rank %d of %d side channel %s:%d",
@@ -213,6 +214,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             facts["block_size"] = 0  # planned token by token: P's and D's may differ
         compat_info = CompatInfo(layout=layout.compat_signature(), **facts)
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
+        self._kv_device = None if on_cpu else first.device  # writes from it wait for its kernels (device.py)
         self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
@@ -236,13 +238,17 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
     @_in_forward_step(lambda: None)
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Layer-wise push: a waiting D gets this layer's blocks now (transfer-id flow only)."""
-        self.worker_side.on_layer_saved(layer_name)
+        """Layer-wise push: a waiting D gets this layer's blocks (transfer-id flow only) once the
+        kernels that fill them ran: on a GPU they are still queued when the attention op returns."""
+        side = self.worker_side
+        side.on_layer_saved(layer_name, device.ready_signal(self._kv_device) if side.writes_layers() else None)
 
     @_in_forward_step(lambda: None)
     def wait_for_save(self) -> None:
-        """Never blocks: layer-wise writes complete between steps like every other transfer."""
-        self.worker_side.end_of_forward()
+        """Never blocks: layer-wise writes complete between steps like every other transfer; what no
+        layer hook covered is written once the forward pass's kernels ran."""
+        side = self.worker_side
+        side.end_of_forward(device.ready_signal(self._kv_device) if side.writes_layers() else None)
 
     @_in_forward_step(lambda: compat.transfer_results(set(), set(), set()))
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
