@@ -360,8 +360,9 @@ def _deduced_path(host: str, dev: dict[str, Any], env: dict[str, str], within_ho
 
 # The probes ------------------------------------------------------------------------------------
 def probe_all() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Every installed transport between two processes here, direct and staged, and what UCX chose for
-    NIXL's (asked of UCX: its protocol tables, logged while the probes ran)."""
+    """Every installed transport between two processes here, then the fastest one through CPU staging
+    (what the staging warning compares), and what UCX chose for NIXL's (asked of UCX: its protocol
+    tables, logged while the probes ran)."""
     results: dict[str, dict[str, Any]] = {}
     paths: list[tuple[str, bool]] = []
     for kind in ("nixl", "mooncake"):
@@ -370,10 +371,15 @@ def probe_all() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         except KVConnectorError as e:
             results[kind] = {"error": str(e)}
             continue
-        paths += [(kind, False), (kind, True)]
+        paths.append((kind, False))
+
+    def staged_fastest(done: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
+        direct = {k: v for k, v in done.items() if "error" not in v}
+        return [(_choose(direct)[0], True)] if direct else []
+
     selected: dict[str, Any] = {"error": "NIXL is not installed: UCX was not asked"}
     with _proto_info_log() as folder:
-        results.update(peerprobe.probe_local(paths) if paths else {})
+        results.update(peerprobe.probe_local(paths, then=staged_fastest) if paths else {})
         if ("nixl", False) in paths:
             selected = _selected_in(folder)
     if ("nixl", False) in paths and "error" in selected:  # UCX was loaded before here: ask a fresh child

@@ -22,7 +22,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -364,11 +364,19 @@ def _probe_path(conn: Connection, kind: str, staged: bool, nbytes: int | None, s
             _answer(conn, 10.0, "close")
 
 
+ProbePath = tuple[str, bool]  # (transport kind, staged)
+
+
 def probe_local(
-    paths: Sequence[tuple[str, bool]], seconds: float = 0.3, rounds: int = ROUNDS, nbytes: int | None = None
+    paths: Sequence[ProbePath],
+    seconds: float = 0.3,
+    rounds: int = ROUNDS,
+    nbytes: int | None = None,
+    then: Callable[[dict[str, dict[str, Any]]], Sequence[ProbePath]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """READ and WRITE GB/s between this process and one spawned peer for each (kind, staged) path,
-    keyed "nixl", "nixl+staged", ...: timed_ops's answer, or {"error": why} for a path that failed."""
+    keyed "nixl", "nixl+staged", ...: timed_ops's answer, or {"error": why} for a path that failed.
+    `then`, given the results so far, names more paths to probe with the same peer."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=_local_peer, args=(theirs, nbytes), daemon=True)
@@ -376,15 +384,18 @@ def probe_local(
         proc.start()
     out: dict[str, dict[str, Any]] = {}
     try:
-        for kind, staged in paths:
-            key = kind + ("+staged" if staged else "")
-            if not proc.is_alive():
-                out[key] = {"error": f"the probe's peer process exited (status {proc.exitcode})"}
-                continue
-            try:
-                out[key] = _probe_path(mine, kind, staged, nbytes, seconds, rounds)
-            except KVConnectorError as e:
-                out[key] = {"error": str(e)}
+        for batch in (paths, None):
+            for kind, staged in batch if batch is not None else (then(out) if then else ()):
+                key = kind + ("+staged" if staged else "")
+                if not proc.is_alive():
+                    out[key] = {"error": f"the probe's peer process exited (status {proc.exitcode})"}
+                    continue
+                try:
+                    out[key] = _probe_path(mine, kind, staged, nbytes, seconds, rounds)
+                except KVConnectorError as e:
+                    out[key] = {"error": str(e)}
+                except Exception as e:  # an engine's own exception: this path failed, the others are still probed
+                    out[key] = {"error": f"{type(e).__name__}: {e}"}
         return out
     finally:
         with contextlib.suppress(OSError):

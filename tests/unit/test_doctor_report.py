@@ -113,3 +113,26 @@ def test_the_recommendation_pastes_into_vllm_and_check_config(write: list[float]
         checked = checks.check_transfer_config(config)  # vLLM's KVTransferConfig, then ours
         assert checked.kind == "nixl" and checked.config.role.value == role and checked.warnings == ()
     assert p["kv_connector_extra_config"]["side_channel_port"] != d["kv_connector_extra_config"]["side_channel_port"]
+
+
+def test_a_path_that_raises_is_reported_and_the_others_still_probed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's own exception (not ours) in one path: that path's error, not a doctor without a report;
+    `then` names more paths from the results so far, probed with the same peer process."""
+    from kv_connectors import peerprobe
+
+    def probe_path(conn: Any, kind: str, staged: bool, *args: Any) -> dict[str, Any]:
+        if staged and kind == "nixl":
+            raise TypeError("an engine changed its signature")
+        return {"read_gbps": 1.0 if kind == "nixl" else 0.1, "write_gbps": 1.0}
+
+    monkeypatch.setattr(peerprobe, "_probe_path", probe_path)
+    seen: list[set[str]] = []
+
+    def then(done: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
+        seen.append(set(done))
+        return [("mooncake", True)]
+
+    out = peerprobe.probe_local([("nixl", True), ("nixl", False)], then=then)
+    assert out["nixl+staged"] == {"error": "TypeError: an engine changed its signature"}
+    assert out["nixl"]["read_gbps"] == 1.0 and out["mooncake+staged"]["read_gbps"] == 0.1
+    assert seen == [{"nixl", "nixl+staged"}]
