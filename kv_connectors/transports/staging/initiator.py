@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-import time
+from collections.abc import Callable
 
 from kv_connectors.errors import PeerDisconnectedError, TransportError
 from kv_connectors.plan import TransferPlan
@@ -59,6 +59,7 @@ class Initiator:
         kv: Ranges,
         max_runs_per_chunk: int,
         drain_timeout_s: float,
+        clock: Callable[[], float],
     ) -> None:
         self._name = name
         self._inner = inner
@@ -69,6 +70,7 @@ class Initiator:
         self._kv = kv
         self._max_runs = max_runs_per_chunk
         self._drain_timeout = drain_timeout_s
+        self._clock = clock
         self._xfers: dict[int, Transfer] = {}  # our unfinished transfers
         self._aborting: list[Transfer] = []  # failed transfers whose inner ops are still draining
         self._aborted: set[int] = set()  # id() of inner ops told to abort
@@ -79,6 +81,11 @@ class Initiator:
     def busy_peers(self) -> set[str]:
         """Peers with an unfinished transfer of ours."""
         return {t.peer for t in self._xfers.values()}
+
+    def waiting_peers(self) -> set[str]:
+        """Peers we wait on for a chunk under way (its READY, SLOT, SCATTERED, or its inner op), not
+        merely queued for one of our slots: the peer owes us nothing until a chunk starts."""
+        return {t.peer for t in self._xfers.values() if t.active}
 
     # Posting and progress ------------------------------------------------------------------------
     def post(self, op: Op, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer:
@@ -150,7 +157,7 @@ class Initiator:
 
     # Chunks ----------------------------------------------------------------------------------------
     def _wait_for_slot(self, t: Transfer) -> None:
-        self._pool.wait(t, True, lambda slot: self._start_chunk(t, slot))
+        self._pool.wait(t, True, t.peer, lambda slot: self._start_chunk(t, slot))
 
     def _start_chunk(self, t: Transfer, slot: int) -> None:
         with self._outbox.unit():
@@ -189,7 +196,7 @@ class Initiator:
             if c.phase is Phase.READING:
                 self._scatter_local(t, c)
             else:
-                self._pool.give(c.slot, own=True)
+                self._pool.give(c.slot, True, t.peer)
                 c.slot = None
                 c.phase = Phase.WAIT_SCATTERED
                 if c.scattered:
@@ -203,7 +210,7 @@ class Initiator:
         assert c.slot is not None
         sl = t.chunks.pieces(c.index)
         self._copies.copy(t.chunks.dst[sl], self._pool.base + c.slot + t.chunks.slot_off[sl], t.chunks.length[sl])
-        self._pool.give(c.slot, own=True)
+        self._pool.give(c.slot, True, t.peer)
         c.slot = None
         self._outbox.send(t.peer, Free(t.id, c.index, c.remote_off))
         self._chunk_done(t, c)
@@ -300,12 +307,12 @@ class Initiator:
         logger.debug("staged %s with %s failed: %s", h.op, h.peer_name, err)
         if isinstance(err, PeerDisconnectedError):
             self._peers.mark_dead(t.peer, err)  # fails the peer's other transfers too
-        deadline = time.monotonic() + self._drain_timeout
+        deadline = self._clock() + self._drain_timeout
         for c in t.active.values():
             if c.inner is not None:
                 t.draining.append(Drain(c.inner, c.slot, deadline))
             elif c.slot is not None:
-                self._pool.give(c.slot, own=True)
+                self._pool.give(c.slot, True, t.peer)
         t.active.clear()
         self._aborting.append(t)
         self._drain(t)  # the peer hears of it once no write of ours can land in its slots
@@ -315,7 +322,7 @@ class Initiator:
         transport says no byte of them can move (a released op may still land: UCX, Mooncake).
         One that does not end within drain_timeout_s keeps its slot out of the pool (quarantined)."""
         keep = []
-        now = time.monotonic()
+        now = self._clock()
         for d in t.draining:
             self._abort_once(d.inner)
             if not self._inner.settled(d.inner):
@@ -334,7 +341,7 @@ class Initiator:
             self._inner.release(d.inner)
             if d.slot is not None:
                 self._quarantined.discard(d.slot)
-                self._pool.give(d.slot, own=True)
+                self._pool.give(d.slot, True, t.peer)
         t.draining = keep
         if not keep:
             self._aborting.remove(t)

@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 
-from kv_connectors.errors import TransportError
+from kv_connectors.errors import TransferTimeoutError, TransportError
 from kv_connectors.transports.base import Op
 from kv_connectors.transports.intervals import Ranges, total_bytes
 from kv_connectors.transports.staging.copier import Copies
@@ -38,7 +38,12 @@ class Responder:
     our KV cache and answered READY, and holds the slot until FREE; a WANT (their WRITE) waits for a
     slot, is answered SLOT, and holds it until the SCATTER their write carries has been scattered
     into our KV cache (SCATTERED). Every run a peer names is checked against our registered KV
-    memory first. Drops everything it holds for a peer the peer table says is gone."""
+    memory first. Drops everything it holds for a peer the peer table says is gone.
+
+    We hold at most the pool's peer_cap slots for one peer; its further chunks wait in the queue. A
+    peer the table calls suspect keeps what it holds (it may still read a READY slot or write a
+    granted one: handing that slot to another peer would give it the suspect's bytes), counted as
+    quarantined; its queued chunks are refused (a TransferTimeoutError ERROR it reads if it resumes)."""
 
     def __init__(self, name: str, *, pool: SlotPool, copies: Copies, outbox: Outbox, peers: PeerTable, kv: Ranges) -> None:
         self._name = name
@@ -46,13 +51,29 @@ class Responder:
         self._copies = copies
         self._outbox = outbox
         self._kv = kv
+        self._peers = peers
         self._served: dict[tuple[str, int, int], Serve] = {}  # chunks holding a slot, by (peer, xfer, chunk)
         self._aborted: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
-        peers.subscribe(on_gone=self.drop_peer)
+        peers.subscribe(on_gone=self.drop_peer, on_suspect=self.refuse_queued)
 
     def busy_peers(self) -> set[str]:
         """Peers we hold a slot for (waiting on their FREE or SCATTER)."""
         return {key[0] for key in self._served}
+
+    def quarantined(self) -> int:
+        """Slots held for suspect peers: out of the pool until the peer answers or is gone."""
+        suspects = self._peers.suspects()
+        return sum(1 for key in self._served if key[0] in suspects)
+
+    def refuse_queued(self, peer: str) -> None:
+        """The peer is suspect: its chunks still waiting for a slot fail (their transfers with them)."""
+        refused = self._pool.cancel(lambda item: isinstance(item, Serve) and item.peer == peer)
+        for xfer in dict.fromkeys(s.xfer for s in refused if isinstance(s, Serve)):
+            err = TransferTimeoutError(f"staging {self._name}: {peer} stopped answering; its queued chunk was refused")
+            self._outbox.send(peer, Error(xfer, True, error_kind(err), str(err)))
+            self._remember_aborted(peer, xfer)
+        if refused:
+            logger.warning("staging %s: refused %d queued chunks of suspect peer %s", self._name, len(refused), peer)
 
     def drop_peer(self, peer: str, err: TransportError | None = None) -> None:
         """Free every slot held for the peer and forget its queued chunks."""
@@ -111,13 +132,16 @@ class Responder:
     def on_error(self, peer: str, m: Error) -> None:
         """The peer aborted one of its transfers (an ERROR without to_initiator): drop what we hold for it."""
         self._drop(peer, m.xfer)
-        self._aborted[(peer, m.xfer)] = None
+        self._remember_aborted(peer, m.xfer)
+
+    def _remember_aborted(self, peer: str, xfer: int) -> None:
+        self._aborted[(peer, xfer)] = None
         while len(self._aborted) > _ABORTED_MEMORY:
             self._aborted.popitem(last=False)
 
     # Slots -----------------------------------------------------------------------------------------
     def _wait_for_slot(self, s: Serve) -> None:
-        self._pool.wait(s, False, lambda slot: self._start_serving(s, slot))
+        self._pool.wait(s, False, s.peer, lambda slot: self._start_serving(s, slot))
 
     def _start_serving(self, s: Serve, slot: int) -> None:
         with self._outbox.unit():
@@ -141,7 +165,7 @@ class Responder:
 
     def _unserve(self, s: Serve) -> None:
         if self._served.pop((s.peer, s.xfer, s.chunk), None) is not None:
-            self._pool.give(s.slot, own=False)
+            self._pool.give(s.slot, False, s.peer)
 
     def _drop(self, peer: str, xfer: int | None) -> None:
         """Free the slots held for a peer's transfer (every transfer if xfer is None), drop its queue."""

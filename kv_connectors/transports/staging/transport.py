@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,10 +54,18 @@ class StagedTransport:
     the queue after each chunk, so concurrent transfers and peers interleave. Our own transfers
     hold at most slots - 1 slots: one is always left for serving peers, so two transports that
     stage towards each other cannot deadlock (with 2 slots a transfer moves one chunk at a time).
-    A peer we wait on is probed (1-byte inner READ of its pool) every probe_interval_s: a dead
-    peer fails its transfers with the inner transport's error (PeerDisconnectedError), the slots
-    we held for it are freed, and it stays gone (posts raise PeerDisconnectedError) until
-    connect() brings new metadata (a restarted peer). Inner ops still in flight when a transfer
+    We hold at most peer_slots (default: half the pool) slots serving one peer; its further
+    chunks wait. A peer we wait on is probed (1-byte inner READ of its pool) every
+    probe_interval_s: a dead peer fails its transfers with the inner transport's error
+    (PeerDisconnectedError), the slots we held for it are freed, and it stays gone (posts raise
+    PeerDisconnectedError) until connect() brings new metadata (a restarted peer). A probe that
+    has not ended after 4 intervals, or a peer that owes us a message and is silent for 10 (over
+    cma or RDMA a stopped process's memory still answers probes), makes the peer suspect: it gets
+    no new slot (our own transfers with it one chunk at a time), its queued chunks are refused
+    (TransferTimeoutError), it no longer makes busy() true, and the slots it holds are
+    quarantined, handed to nobody, since it may still read or write them: freed once it is
+    confirmed gone (PeerDisconnectedError, a new incarnation, disconnect()), served on once a
+    message from it arrives (pool_stats: quarantined_slots, suspect_peers). Inner ops still in flight when a transfer
     fails are polled to their end (at most drain_timeout_s) before their slots are reused; the
     peer hears of the failure (ERROR) only then, so no late write of ours lands in a reused slot.
     Staging messages ride the inner transport's notifications, batched per peer and per call.
@@ -77,6 +86,8 @@ class StagedTransport:
         max_runs_per_chunk: int = 1024,
         probe_interval_s: float = 1.0,
         drain_timeout_s: float = 30.0,
+        peer_slots: int | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
@@ -93,9 +104,12 @@ class StagedTransport:
         self._inner = inner
         self._max_runs = max_runs_per_chunk
         self._kv = Ranges()  # every registered KV region: the memory transfers may touch
-        self._pool = SlotPool(name, inner, pool_bytes, chunk_bytes)
+        clock = clock or time.monotonic
+        self._peers = PeerTable(name, inner, probe_interval_s, clock)
+        self._pool = SlotPool(
+            name, inner, pool_bytes, chunk_bytes, peer_cap=peer_slots, granting=lambda peer: not self._peers.suspect(peer)
+        )
         self._copies = Copies(name, copier)
-        self._peers = PeerTable(name, inner, probe_interval_s)
         self._outbox = Outbox(name, inner, self._peers, self._copies)
         self._initiator = Initiator(
             name,
@@ -107,6 +121,7 @@ class StagedTransport:
             kv=self._kv,
             max_runs_per_chunk=max_runs_per_chunk,
             drain_timeout_s=drain_timeout_s,
+            clock=clock,
         )
         self._responder = Responder(name, pool=self._pool, copies=self._copies, outbox=self._outbox, peers=self._peers, kv=self._kv)
         self._inbox: list[tuple[str, bytes]] = []
@@ -230,8 +245,11 @@ class StagedTransport:
         return out
 
     def pool_stats(self) -> dict[str, int]:
-        """Pool size and use: the pool is allocated once and never grows."""
+        """Pool size and use: the pool is allocated once and never grows. quarantined_slots: slots out
+        of the pool that no one may be given (held for suspect peers; our failed transfers' inner ops
+        that have not ended past drain_timeout_s); suspect_peers: peers that stopped answering."""
         pool = self._pool
+        quarantined = self._responder.quarantined() + self._initiator.quarantined_slots
         return {
             "pool_bytes": pool.pool_bytes,
             "allocated_bytes": 0 if pool.tensor is None else int(pool.tensor.numel()),
@@ -241,6 +259,9 @@ class StagedTransport:
             "peak_slots_in_use": pool.peak,
             "bytes_staged": self._copies.bytes,
             "queued": pool.queued,
+            "quarantined_slots": quarantined,
+            "quarantined_bytes": quarantined * pool.chunk_bytes,
+            "suspect_peers": len(self._peers.suspects()),
         }
 
     def close(self) -> None:
@@ -268,6 +289,8 @@ class StagedTransport:
         """Handle messages, poll inner ops, hand free slots out, probe silent peers. Never blocks."""
         self._require_open()
         for peer_name, msg in self._inner.get_notifs():
+            if self._peers.live(peer_name) is not None:
+                self._peers.answered(peer_name)  # its process runs (a suspect peer is live again)
             if msg.startswith(MSG_MAGIC):
                 self._dispatch(peer_name, msg)
             else:
@@ -276,7 +299,7 @@ class StagedTransport:
         self._peers.poll_probes()
         self._pool.grant()
         if self._pool.allocated:
-            self._peers.probe(self._busy_peers, self._pool.probe_addr)
+            self._peers.probe(self._busy_peers, self._waiting_peers, self._pool.probe_addr)
         self._outbox.flush()
 
     def _dispatch(self, peer_name: str, raw: bytes) -> None:
@@ -292,17 +315,21 @@ class StagedTransport:
             if self._peers.live(peer_name) is None:
                 logger.debug("staging %s: dropped %s from unknown or gone peer %s", self.name, type(msg).__name__, peer_name)
                 continue
-            self._peers.heard(peer_name)
             with self._outbox.unit():
                 self._handlers[type(msg)](peer_name, msg)
 
     def busy(self) -> bool:
-        """A transfer of ours, or a peer's that we serve, is under way (it advances when polled)."""
-        return bool(self._busy_peers())
+        """A transfer of ours, or a peer's that we serve, is under way (it advances when polled);
+        a suspect peer's do not count: they advance only once it answers, and polling will not help."""
+        return bool(self._busy_peers() - self._peers.suspects())
 
     def _busy_peers(self) -> set[str]:
-        """Peers we wait on: those with a transfer of ours, those we hold a slot for."""
+        """Peers we hold anything for (probed when silent): those with a transfer of ours, those we hold a slot for."""
         return self._initiator.busy_peers() | self._responder.busy_peers()
+
+    def _waiting_peers(self) -> set[str]:
+        """Peers that owe us a message: a chunk of ours under way with them, a slot we hold for them."""
+        return self._initiator.waiting_peers() | self._responder.busy_peers()
 
     def _on_error(self, peer: str, m: Error) -> None:
         if m.to_initiator:
