@@ -221,9 +221,8 @@ def test_handshake_with_a_frozen_producer_fails_at_its_deadline():
     assert c.d.failed_recving == {"d1"}
 
 
-def test_push_request_unanswered_fails_at_the_deadline():
-    """The push request may have reached a stalled P: D aborts it and reports the load failed only
-    once P confirms (here when P's side channel answers again), never on its own clock."""
+def _push_to_a_stalled_p() -> Cluster:
+    """D (hand-shaken) asks P to push; P's side channel stops answering; D's deadline passes."""
     c = Cluster(d_extra={"mode": "push"})
     c.prefill_done("r0", (8,))
     Cluster.recv(c.d, "d0", "r0", (9,), (8,))  # hand-shaken
@@ -234,6 +233,13 @@ def test_push_request_unanswered_fails_at_the_deadline():
     c.run(3)
     c.clock.advance(13)
     c.run(2)
+    return c
+
+
+def test_push_request_unanswered_fails_at_the_deadline():
+    """The push request may have reached a stalled P: D aborts it and reports the load failed only
+    once P confirms (here when P's side channel answers again), never on its own clock."""
+    c = _push_to_a_stalled_p()
     assert not c.d.failed_recving and c.d.engine.stats.settling_loads == 1
     c.clock.advance(3)  # the abort's own deadline: asked again
     c.fabric.frozen.discard(f"127.0.0.1:{P_PORT}")
@@ -243,16 +249,7 @@ def test_push_request_unanswered_fails_at_the_deadline():
 
 
 def test_push_request_to_a_producer_that_is_gone_fails_once_nothing_listens_there():
-    c = Cluster(d_extra={"mode": "push"})
-    c.prefill_done("r0", (8,))
-    Cluster.recv(c.d, "d0", "r0", (9,), (8,))
-    c.run()
-    c.prefill_done("r1", P_BLOCKS)
-    c.fabric.frozen.add(f"127.0.0.1:{P_PORT}")
-    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
-    c.run(3)
-    c.clock.advance(13)
-    c.run(2)
+    c = _push_to_a_stalled_p()
     assert not c.d.failed_recving
     c.fabric.dead.add(f"127.0.0.1:{P_PORT}")  # P's process is gone: its socket refuses, its writes died with it
     c.clock.advance(3)

@@ -60,6 +60,15 @@ def _drain(c: Cluster, seconds: float = 40.0) -> None:
         c.run(3)
 
 
+def _read_from_a_stopped_p(c: Cluster) -> None:
+    """D reads P's blocks over a link that stalls (P stopped) until past D's 10 s deadline."""
+    c.prefill_done("r1", P_BLOCKS)
+    c.fabric.frozen.add("P-rank0")  # over TCP a stopped P's memory does not answer: the read stalls
+    _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
+    c.run(3)
+    c.clock.advance(11)  # past D's 10 s transfer deadline
+
+
 # pull ----------------------------------------------------------------------------------------------
 def test_a_read_abandoned_at_ds_deadline_is_reported_only_once_it_ended():
     c = Cluster()
@@ -143,22 +152,14 @@ def test_a_read_whose_poll_failed_is_reported_only_once_its_engine_says_it_ended
 
 def test_a_read_abandoned_where_release_aborts_is_reported_at_once():
     c = Cluster(aborting=True)
-    c.prefill_done("r1", P_BLOCKS)
-    c.fabric.frozen.add("P-rank0")
-    _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
-    c.run(3)
-    c.clock.advance(11)
+    _read_from_a_stopped_p(c)
     c.run(2)
     assert c.d.failed_recving == {"d1"} and c.d.engine.stats.settled_loads == 0
 
 
 def test_a_read_that_never_ends_is_quarantined_past_the_settle_deadline():
     c = Cluster(d_extra={"settle_timeout_s": 5})
-    c.prefill_done("r1", P_BLOCKS)
-    c.fabric.frozen.add("P-rank0")
-    _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
-    c.run(3)
-    c.clock.advance(11)
+    _read_from_a_stopped_p(c)
     c.run(2)
     c.clock.advance(6)
     c.run(2)
