@@ -53,6 +53,11 @@ class Counters(msgspec.Struct, frozen=True):
     staging_pool_bytes: Annotated[int, _gauge("Configured size of the CPU staging pool (0: no staging).")] = 0
     staging_peak_bytes: Annotated[int, _gauge("Most staging-pool bytes in use at once.")] = 0
     staging_allocated_bytes: Annotated[int, _gauge("Staging-pool bytes actually allocated.")] = 0
+    staging_quarantined_bytes: Annotated[
+        int,
+        _gauge("Staging-pool bytes no one may be given: held for suspect peers, or under a failed transfer not ended yet."),
+    ] = 0
+    staging_suspect_peers: Annotated[int, _gauge("Staging peers that stopped answering (their slots quarantined).")] = 0
     claims_granted: Annotated[int, _counter("Reads of this (prefill) instance's blocks confirmed under a live lease.")] = 0
     claims_refused: Annotated[
         int, _counter("Reads of this (prefill) instance's blocks refused: lease ended, or blocks not held.")

@@ -48,4 +48,6 @@ def _staging_stats(parts: Parts) -> dict[str, int]:
         "staging_pool_bytes": int(ps["pool_bytes"]),
         "staging_peak_bytes": int(ps["peak_slots_in_use"]) * int(ps["chunk_bytes"]),
         "staging_allocated_bytes": int(ps.get("allocated_bytes", ps["pool_bytes"])),
+        "staging_quarantined_bytes": int(ps["quarantined_bytes"]),
+        "staging_suspect_peers": int(ps["suspect_peers"]),
     }
