@@ -29,6 +29,23 @@ class Host:
         _ip("link", "set", self.link, "up")
 
 
+def slow(host: Host, rate: str) -> None:
+    """Slow what the host sends to at most `rate` (e.g. "400kbit"): a token bucket (tc tbf) on its
+    eth0, queueing up to 10 s of traffic rather than dropping it (netem is not in every kernel)."""
+    _tc(host, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "16kb", "latency", "10s")
+
+
+def unslow(host: Host) -> None:
+    with contextlib.suppress(RuntimeError):
+        _tc(host, "qdisc", "del", "dev", "eth0", "root")
+
+
+def _tc(host: Host, *args: str) -> None:
+    proc = subprocess.run(["ip", "netns", "exec", host.netns, "tc", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)} in {host.netns}: {proc.stderr.strip()}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TwoHosts:
     p: Host
