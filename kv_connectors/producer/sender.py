@@ -22,9 +22,10 @@ from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import KVConnectorError
 from kv_connectors.fence import LeaseWords
-from kv_connectors.layout import KVLayout, reader_count
+from kv_connectors.layout import KVLayout
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.producer.admission import Admission, PushBook, reader
+from kv_connectors.producer.consumers import Consumers
 from kv_connectors.producer.leases import SendLeases, other_prompt
 from kv_connectors.transports.base import Transport, XferState
 
@@ -93,8 +94,6 @@ class Sender:
         words: this rank's lease words (kv_connectors.fence), registered with the transport."""
         epoch, rank, tp_size = identity.epoch, identity.rank, identity.tp_size
         self._cfg = cfg
-        self._rank, self._tp_size, self._total_heads = rank, tp_size, compat.num_kv_heads
-        self._readers: dict[str, int] = {}  # consumer engine -> how many of its ranks read from this rank
         self._clock = clock
         self._transport = transport
         self._layout = layout
@@ -115,13 +114,7 @@ class Sender:
             queue_push=self._queue_push,
             queue_handshake=self._inbox.put,
         )
-        # Agent name -> layout and transport metadata: a new layout object per D process (a D
-        # restarted under its engine id hand-shakes with other metadata).
-        self._consumers: dict[str, KVLayout] = {}
-        self._consumer_md: dict[str, bytes] = {}
-        self._consumer_engine: dict[str, str] = {}  # agent -> its engine id
-        self._at: dict[str, str] = {}  # a D rank's side-channel address -> the agent hand-shaking from it
-        self._retiring: set[str] = set()  # agents replaced at their address: forgotten once nothing is in flight
+        self.consumers = Consumers(transport, rank, tp_size, compat.num_kv_heads)
         # Push requests by (lease key, consumer agent): the D ranks reading one lease each ask.
         self._waiting: dict[WriteKey, _Write] = {}  # whose lease is not known yet
         self._writing: dict[WriteKey, _Write] = {}
@@ -204,24 +197,8 @@ class Sender:
             self._poll(wk, self._writing[wk], now)
         for key in [k for k, (_r, t) in self._cancelled.items() if now - t > _CANCEL_TTL_S]:
             del self._cancelled[key]
-        if self._retiring:
-            self._retire()
-
-    def _retire(self) -> None:
-        """Forget consumers replaced at their address, once no push of theirs waits or is in flight."""
-        busy = {wk[1] for wk in (*self._waiting, *self._writing, *self._layerwise)}
-        for agent in [a for a in self._retiring if a not in busy]:
-            self._retiring.discard(agent)
-            self._consumers.pop(agent, None)
-            self._consumer_md.pop(agent, None)
-            engine = self._consumer_engine.pop(agent, None)
-            if engine is not None and engine not in self._consumer_engine.values():
-                self._readers.pop(engine, None)
-            try:
-                self._transport.disconnect(agent)
-            except KVConnectorError as e:
-                logger.debug("could not disconnect consumer %s: %s", agent, e)
-            logger.info("consumer %s forgotten: a new process hand-shook from its address", agent)
+        if self.consumers.retiring:
+            self.consumers.retire({wk[1] for wk in (*self._waiting, *self._writing, *self._layerwise)})
 
     def _advance_waiting(self, wk: WriteKey, write: _Write, now: float) -> None:
         key = wk[0]
@@ -256,7 +233,7 @@ class Sender:
             except queue.Empty:
                 return
             if isinstance(msg, wire.HandshakeRequest):
-                self._connect(msg)
+                self.consumers.connect(msg)
             else:
                 self._take_push(*msg, now)
 
@@ -274,35 +251,13 @@ class Sender:
             wk = (key, req.consumer_agent, req.consumer_request_id)
             if (dup := self._waiting.pop(wk, None)) is not None:
                 self._finish(dup, "the consumer asked again for the same request")
-            consumer = self._consumers.get(req.consumer_agent)
+            consumer = self.consumers.layout(req.consumer_agent)
             self._waiting[wk] = _Write(req, self._deadline(req, received_at), consumer=consumer)
-
-    def _connect(self, request: wire.HandshakeRequest) -> None:
-        assert request.layout is not None
-        try:
-            self._transport.connect(request.agent_name, request.agent_metadata)
-            if self._consumer_md.get(request.agent_name) != request.agent_metadata:  # a new D process
-                self._consumers[request.agent_name] = request.layout.to_layout()
-                self._consumer_md[request.agent_name] = request.agent_metadata
-            self._consumer_engine[request.agent_name] = request.engine_id
-            self._retiring.discard(request.agent_name)
-            if request.address:
-                old = self._at.get(request.address)
-                self._at[request.address] = request.agent_name
-                if old is not None and old != request.agent_name:
-                    self._retiring.add(old)  # that process is gone: its port is the new one's
-            if request.tp_size != self._tp_size:  # the handshake checked that this can be mapped
-                self._readers[request.engine_id] = reader_count(self._total_heads, self._tp_size, request.tp_size, self._rank)
-            else:  # restarted at our TP size under the same engine id
-                self._readers.pop(request.engine_id, None)
-            logger.info("consumer %s rank %d of %d connected", request.engine_id, request.rank, request.tp_size)
-        except KVConnectorError as e:
-            logger.error("cannot connect consumer %s: %s", request.engine_id, e)
 
     def _check(self, write: _Write, own: tuple[int, ...]) -> KVLayout | str:
         """D's layout for this push, or why it cannot be written."""
         req = write.request
-        dst = self._consumers.get(req.consumer_agent)
+        dst = self.consumers.layout(req.consumer_agent)
         if dst is None:
             return f"consumer {req.consumer_agent} did not hand-shake for push"
         if write.consumer is None or dst is not write.consumer:
@@ -330,7 +285,7 @@ class Sender:
         if not engine:
             self.leases.notice(key, now)
             return
-        self.leases.notice(key, now, reader(engine, rank), engine, self._readers.get(engine, 1))
+        self.leases.notice(key, now, reader(engine, rank), engine, self.consumers.readers_of(engine))
 
     def _post(self, wk: WriteKey, write: _Write) -> None:
         key, req = wk[0], write.request

@@ -164,7 +164,7 @@ def test_p_keeps_one_consumer_entry_for_a_decode_that_restarted_twenty_times():
         c.run(6)
         assert c.d.finished_recving == {f"d{i}"} and not c.d.failed_recving
     sender = c.p.engine.parts.sender
-    assert (len(sender._consumers), len(sender._consumer_md), len(sender._readers)) == (1, 1, 0)
+    assert (len(sender.consumers.layouts), len(sender.consumers._metadata), len(sender.consumers.readers)) == (1, 1, 0)
     assert c.p.transport._peers == {"D19-rank0"}, "P's transport keeps a connection per D process"
 
 
