@@ -26,6 +26,14 @@ REMOTE_BLOCK_SIZE = "remote_block_size"  # P's tokens per block (D's may differ:
 # (a D request for another prompt fails instead of decoding from that prompt's KV), and may then carry
 # more tokens than P's prompt (the first token from prefill: D computes what P's KV does not cover).
 REMOTE_PROMPT_DIGEST = "remote_prompt_digest"
+# Keys the built-in NixlConnector's P states too, which routers and frameworks in NIXL mode may read
+# (tests/unit/test_params_shape.py): P's decode-context and pipeline parallel sizes (ours: 1, pipeline
+# parallel is refused at start-up), "pull" or "push" (the mode P is configured for; D decides, a P serves
+# both) and the deadline of blocks a D holds for readback (None on a P's answer).
+DCP_SIZE = "dcp_size"
+PP_SIZE = "pp_size"
+TRANSFER_MODE = "transfer_mode"
+REMOTE_BLOCKS_EXPIRY_TIME = "remote_blocks_expiry_time"
 
 _REQUIRED = (REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST, REMOTE_PORT)
 _REQUIRED_TRANSFER_ID = (TRANSFER_ID, REMOTE_HOST, REMOTE_PORT)
@@ -120,6 +128,8 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             "(copy the prefill server's kv_transfer_params into the decode request)"
         )
     ids = params[REMOTE_BLOCK_IDS]
+    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
+        ids = ids[0]  # the built-in's shape: one list per KV cache group (we serve one group)
     if not isinstance(ids, list) or not ids:
         raise TransferParamsError(f"kv_transfer_params[{REMOTE_BLOCK_IDS!r}] must be a non-empty list, got {ids!r}")
     block_ids = tuple(_int(f"{REMOTE_BLOCK_IDS}[]", b, 0) for b in ids)
@@ -245,6 +255,7 @@ def producer_params(
     tp_size: int = 1,
     block_size: int | None = None,
     digest: str | None = None,
+    transfer_mode: str = "pull",
 ) -> dict[str, Any]:
     """What P returns with its answer, for the proxy to copy into D's request.
 
@@ -260,6 +271,10 @@ def producer_params(
         REMOTE_PORT: port,
         REMOTE_NUM_TOKENS: num_tokens,
         TP_SIZE: tp_size,
+        DCP_SIZE: 1,
+        PP_SIZE: 1,
+        TRANSFER_MODE: transfer_mode,
+        REMOTE_BLOCKS_EXPIRY_TIME: None,
     }
     if block_size is not None:
         params[REMOTE_BLOCK_SIZE] = block_size
