@@ -86,6 +86,13 @@ class Counters(msgspec.Struct, frozen=True):
     idle_steps: Annotated[
         int, _counter("Engine steps that scheduled no token while requests waited on the connector (each may wait briefly).")
     ] = 0
+    requests_without_params: Annotated[
+        int,
+        _counter(
+            "Requests that reached this decode-only instance (kv_consumer) without a prefill instance's kv_transfer_params: "
+            "computed here, no KV loaded (the scheduler side counts them: on /metrics, 0 in the side channel's stats)."
+        ),
+    ] = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,7 +261,10 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return sending or None, recving or None
 
     def get_kv_connector_stats(self) -> KvcStats | None:
-        return self._worker.take_interval_stats() if self._worker is not None else None
+        """Both sides: vLLM's scheduler merges its connector's stats into the worker's each step."""
+        if self._worker is not None:
+            return self._worker.take_interval_stats()
+        return self._sched.take_stats() if self._sched is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcStats:

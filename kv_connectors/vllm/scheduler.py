@@ -10,6 +10,7 @@ from typing import Any
 
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import TransferParamsError
+from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.params import (
     NO_PARAMS,
     REMOTE_BLOCK_IDS,
@@ -23,8 +24,10 @@ from kv_connectors.params import (
 from kv_connectors.plan import blocks_for_tokens
 from kv_connectors.vllm.compat import FINISHED_NORMALLY, unhashed_block_ids
 from kv_connectors.vllm.metadata import ConnectorMetadata, RecvSpec, SendSpec
+from kv_connectors.vllm.stats import REQUESTS_WITHOUT_PARAMS, KvcStats
 
 logger = logging.getLogger(__name__)
+_limited = RateLimitedLog(logger, interval_s=60.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,10 @@ class SchedulerSide:
         self._queued: dict[str, tuple[float, tuple[str, str, int], str, int | None]] = {}
         self._renewing: set[str] = set()
         self._meta = ConnectorMetadata()
+        # D only (kv_consumer): requests that came without P's kv_transfer_params (computed here).
+        self._count_unpaired = cfg.role.consumes and not cfg.role.produces
+        self._unpaired = 0  # in total
+        self._unpaired_reported = 0  # of which in stats already
 
     def _params_of(self, request: Any) -> RequestParams:
         """The request's kv_transfer_params, parsed the first time it is seen."""
@@ -80,10 +87,41 @@ class SchedulerSide:
 
     def on_new_request(self, request: Any) -> None:
         """D: a request arrived; while it waits in D's queue, P's lease must not run out."""
-        rp = self._params_of(request).prefill
+        params = self._params_of(request)
+        if self._count_unpaired and not params.remote_prefill:
+            self._unpaired_request()
+        rp = params.prefill
         if rp is None:
             return  # no remote prefill; or bad params: failed (and P told) when the scheduler looks at it
         self._queued[request.request_id] = (self._clock(), rp.peer_key, rp.remote_request_id, rp.remote_tp_size)
+
+    def _unpaired_request(self) -> None:
+        """A decode-only instance got a request without P's kv_transfer_params: it computes the prompt
+        itself. Now and then is a proxy's choice; every request is a router that is not disaggregating."""
+        self._unpaired += 1
+        _limited.warning(
+            "unpaired",
+            "%d request(s) so far reached this decode instance (kv_consumer) without a prefill instance's "
+            "kv_transfer_params (do_remote_prefill): it computed their prompts itself and loaded no KV. If every "
+            "request arrives so, the router in front is not disaggregating: it must send each request to a prefill "
+            'instance first with kv_transfer_params {"do_remote_decode": true} and copy the kv_transfer_params of '
+            "its answer into the decode request (smg does so only for workers registered with "
+            '"kv_connector":"NixlConnector" through POST /workers, not for plain --prefill/--decode URLs). '
+            "A proxy that sends short prompts to decode alone on purpose (kv-connectors-proxy --local-prefill-below, "
+            "its decode-only fallback) is counted too (kvc:%s_total)",
+            self._unpaired,
+            REQUESTS_WITHOUT_PARAMS,
+        )
+
+    def take_stats(self) -> KvcStats | None:
+        """The scheduler side's counters since the last call, for vLLM's stats (None: nothing new)."""
+        new = self._unpaired - self._unpaired_reported
+        if not new:
+            return None
+        self._unpaired_reported = self._unpaired
+        out = KvcStats()
+        out.data["counters"][REQUESTS_WITHOUT_PARAMS] = new
+        return out
 
     def _left_queue(self, rid: str) -> None:
         self._queued.pop(rid, None)
@@ -271,6 +309,7 @@ class SchedulerSide:
             tp_size=self._tp_size,
             block_size=self._block_size,
             digest=digest,
+            transfer_mode=self._cfg.mode.value,
         )
 
 

@@ -15,6 +15,11 @@ from kv_connectors.vllm.compat import KVConnectorPromMetrics, KVConnectorStats, 
 COUNTERS: dict[str, str] = metrics(Kind.COUNTER)
 # Point-in-time values: the latest one wins.
 GAUGES: dict[str, str] = metrics(Kind.GAUGE)
+# Counted by the scheduler side (SchedulerSide.take_stats, through the scheduler connector's
+# get_kv_connector_stats, which vLLM merges into the worker's stats each step): the worker's snapshot
+# and the side channel's stats reply leave them 0.
+REQUESTS_WITHOUT_PARAMS = "requests_without_params"
+SCHEDULER_SIDE = (REQUESTS_WITHOUT_PARAMS,)
 DURATIONS = "transfer_seconds"
 PHASES = "phases"  # {Phase value: [seconds]}: the per-phase histograms kvc:<phase>_seconds
 
@@ -57,6 +62,8 @@ class KvcStats(KVConnectorStats):
             "push failures": c["push_failures"],
             "expired leases": c["expired_leases"],
         }
+        if c.get(REQUESTS_WITHOUT_PARAMS):
+            out["requests without params"] = c[REQUESTS_WITHOUT_PARAMS]
         if "held_blocks" in self.data["gauges"]:
             out["held blocks"] = self.data["gauges"]["held_blocks"]
         return out
