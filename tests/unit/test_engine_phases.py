@@ -223,7 +223,7 @@ def test_closing_p_aborts_its_writes_in_flight():
     c.fabric.frozen.add("D-rank0")
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(2)
-    (handle,) = c.p.engine.parts.sender._writing[("r1", "D-rank0", "d1")].handles
+    (handle,) = c.p.engine.parts.sender.writes._writing[("r1", "D-rank0", "d1")].handles
     c.p.engine.close()
     assert ("127.0.0.1", P_PORT) not in c.fabric.servers and "P-rank0" not in c.fabric.agents
     c.fabric.frozen.discard("D-rank0")

@@ -44,7 +44,7 @@ def test_a_release_does_not_free_blocks_a_push_write_is_reading():
     c.prefill_done("r1", P_BLOCKS)
     _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS, prompt_digest="A"))
     c.run(4)
-    assert c.p.engine.parts.sender._writing, "the write is in flight"
+    assert c.p.engine.parts.sender.writes._writing, "the write is in flight"
     _recv(c.d, "d2", RecvSpec(PEER, "r1", (), (), report=False, prompt_digest="A"))
     c.run(4)
     assert not _reuse_if_freed(c, "r1"), "P freed blocks its write was still reading"
@@ -63,7 +63,7 @@ def test_another_readers_notice_does_not_free_blocks_a_push_write_is_reading():
     c.prefill_done("r1", P_BLOCKS)
     _recv(c.d, "d1", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
     c.run(4, nodes=(c.d, c.p))
-    assert c.p.engine.parts.sender._writing
+    assert c.p.engine.parts.sender.writes._writing
     _recv(d2, "x", RecvSpec(PEER, "r1", D_BLOCKS, P_BLOCKS))
     d2.transport.delay_s = 0.0
     c.run(6, nodes=(d2, c.p))
@@ -144,7 +144,7 @@ def test_a_second_push_under_the_same_key_and_agent_is_a_second_write():
     c.p.transport.delay_s = 0.0  # the second is fast (D had a prefix hit: one block)
     _recv(c.d, "d2", RecvSpec(PEER, "r1", (9,), (3,)))
     c.run(4)
-    assert any(posted[0] in w.handles for w in c.p.engine.parts.sender._writing.values()), "first write untracked"
+    assert any(posted[0] in w.handles for w in c.p.engine.parts.sender.writes._writing.values()), "first write untracked"
     assert not _reuse_if_freed(c, "r1"), "P freed blocks the first write was still reading"
     c.clock.advance(1.0)
     c.run(4)
