@@ -28,8 +28,10 @@ REMOTE_BLOCK_SIZE = "remote_block_size"  # P's tokens per block (D's may differ:
 REMOTE_PROMPT_DIGEST = "remote_prompt_digest"
 # Keys the built-in NixlConnector's P states too, which routers and frameworks in NIXL mode may read
 # (tests/unit/test_params_shape.py): P's decode-context and pipeline parallel sizes (ours: 1, pipeline
-# parallel is refused at start-up), "pull" or "push" (the mode P is configured for; D decides, a P serves
-# both) and the deadline of blocks a D holds for readback (None on a P's answer).
+# parallel is refused at start-up), the transfer mode and the deadline of blocks a D holds for readback
+# (None on a P's answer). The mode is always "pull": our P's answer holds the blocks for D and names
+# them, and D's config decides who moves the bytes; vllm-router reads "push" as the built-in push
+# connector's flow and then sends D no block ids (seen with 0.1.17).
 DCP_SIZE = "dcp_size"
 PP_SIZE = "pp_size"
 TRANSFER_MODE = "transfer_mode"
@@ -255,7 +257,6 @@ def producer_params(
     tp_size: int = 1,
     block_size: int | None = None,
     digest: str | None = None,
-    transfer_mode: str = "pull",
 ) -> dict[str, Any]:
     """What P returns with its answer, for the proxy to copy into D's request.
 
@@ -273,7 +274,7 @@ def producer_params(
         TP_SIZE: tp_size,
         DCP_SIZE: 1,
         PP_SIZE: 1,
-        TRANSFER_MODE: transfer_mode,
+        TRANSFER_MODE: "pull",
         REMOTE_BLOCKS_EXPIRY_TIME: None,
     }
     if block_size is not None:

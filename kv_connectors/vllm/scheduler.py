@@ -309,7 +309,6 @@ class SchedulerSide:
             tp_size=self._tp_size,
             block_size=self._block_size,
             digest=digest,
-            transfer_mode=self._cfg.mode.value,
         )
 
 

@@ -44,20 +44,22 @@ def _scheduler(kv: KVTransferConfig) -> Scheduler:
     return Scheduler(cfg, groups, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=False)
 
 
-def _config(ours: bool, role: str = "kv_producer") -> KVTransferConfig:
+def _config(ours: bool, extra: dict[str, Any] | None = None, transport: str = "nixl") -> KVTransferConfig:
     return KVTransferConfig(
-        kv_connector="NixlConnector",
-        kv_connector_module_path="kv_connectors.nixl" if ours else None,
-        kv_role=role,
+        kv_connector=vllm_objects.CONNECTOR_NAMES[transport],
+        kv_connector_module_path=vllm_objects.MODULE_FORMS[transport] if ours else None,
+        kv_role="kv_producer",
         engine_id=ENGINE,
-        kv_connector_extra_config={},
+        kv_connector_extra_config=dict(extra or {}),
     )
 
 
-def _answer(ours: bool, params: dict[str, Any], rid: str = "p-1") -> dict[str, Any]:
+def _answer(
+    ours: bool, params: dict[str, Any], rid: str = "p-1", extra: dict[str, Any] | None = None, transport: str = "nixl"
+) -> dict[str, Any]:
     """P's kv_transfer_params for a one-token prefill of PROMPT, as vLLM's engine core returns them and
     as they reach a router (JSON)."""
-    p = _scheduler(_config(ours))
+    p = _scheduler(_config(ours, extra, transport))
     assert type(p.connector).__module__.startswith("kv_connectors" if ours else "vllm."), type(p.connector)
     p.add_request(request(rid, PROMPT, params, max_tokens=1, hashed=True))
     out = p.schedule()
@@ -124,6 +126,17 @@ def test_each_key_means_what_the_builtins_does(builtin: dict[str, Any], flow: st
     for key, value in builtin.items():
         if value is not None and key != "remote_block_ids":
             assert type(ours[key]) is type(value), (key, ours[key], value)
+
+
+@pytest.mark.parametrize(("transport", "extra"), [("nixl", {"mode": "push"}), ("mooncake", {})])
+def test_a_p_configured_to_push_answers_pull_shaped(transport: str, extra: dict[str, Any]) -> None:
+    """vllm-router reads transfer_mode: for "push" it sends D the built-in push connector's shape (P's
+    engine and side channel, its own X-Request-Id as remote_request_id, no block ids), which our D
+    cannot load from; seen behind vllm-router 0.1.17 with our MooncakeConnector (push by default).
+    Our P's answer always holds the blocks for D and names them, and D's config decides who moves the
+    bytes: "pull" whatever P's mode."""
+    ours = _answer(True, {"do_remote_decode": True}, extra=extra, transport=transport)
+    assert ours["transfer_mode"] == "pull" and len(ours["remote_block_ids"]) == 3, ours
 
 
 def test_our_d_takes_the_builtins_answer(builtin: dict[str, Any]) -> None:
