@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from kvc_testing import routers
-from kvc_testing.cluster import MODULE_FORM, make_prompts, metric, pd_server, stats, wait_until
+from kvc_testing.cluster import MODULE_FORM, MOONCAKE_MODULE_FORM, make_prompts, metric, pd_server, stats, wait_until
 from kvc_testing.procs import VllmServer
 from kvc_testing.routers import PINS, RouterProcess, ensure_routers, register_smg_workers, smg, vllm_router
 from tests.e2e.conftest import MAX_MODEL_LEN
@@ -285,8 +285,11 @@ def _router(r: RouterProcess) -> RouterProcess:
 
 
 def test_vllm_router_1p1d_equals_colocated(fleet: Fleet) -> None:
+    """Its default policy (cache_aware) first asks P and D to render the request (POST
+    /v1/completions/render, /v1/chat/completions/render), which vLLM refuses (403) unless started with
+    --enable-scale-out; the router then routes on the text."""
     p, d = fleet.p[:1], fleet.d[:1]
-    router = _router(vllm_router(fleet.bin, [s.url for s in p], [s.url for s in d], *VLLM_ROUTER_ARGS))
+    router = _router(vllm_router(fleet.bin, [s.url for s in p], [s.url for s in d], *HEALTH))
     with router:
         print("\n" + fleet.check(router, asks(12, seed=101), p, d))
 
@@ -395,3 +398,28 @@ def test_prefill_killed_mid_run_behind_vllm_router_gives_no_wrong_answer(fleet: 
         )
         assert len(errors) <= len(todo) // 2, errors
         wait_until(lambda: stats(survivor).held_blocks == 0, 40, "P1 to free every block")
+
+
+def test_our_mooncake_connector_behind_vllm_router_in_nixl_mode(fleet: Fleet, tiny_model: Path) -> None:
+    """vllm-router's `--kv-connector mooncake` asks each P for the bootstrap server of vLLM's built-in
+    MooncakeConnector (http://P_HOST:8998/query), which ours does not run. Our MooncakeConnector (push
+    by default: D asks, P writes into D's blocks) answers the NIXL-style flow, so `--kv-connector nixl`
+    serves it. After the fault case, whose dead P2 leaves room for these two servers."""
+    p = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="MP", max_model_len=MAX_MODEL_LEN)
+    d = pd_server(
+        tiny_model, "kv_consumer", form=MOONCAKE_MODULE_FORM, name="MD", max_model_len=MAX_MODEL_LEN, extra_config=D_CONFIG
+    )
+    try:
+        p.start()
+        d.start()
+        p.wait_ready()
+        d.wait_ready()
+        router = _router(vllm_router(fleet.bin, [p.url], [d.url], *VLLM_ROUTER_ARGS))
+        with router:
+            pushes0 = stats(p).pushes
+            todo = asks(9, seed=108)
+            print("\nMooncake, " + fleet.check(router, todo, [p], [d]))
+            assert stats(p).pushes - pushes0 == len(todo), "P did not write every prompt into D (push)"
+    finally:
+        d.stop()
+        p.stop()
