@@ -18,10 +18,10 @@ from kvc_testing.cluster import (
     stats,
     wait_until,
 )
+from kvc_testing.fuzz import server_hash
 from kvc_testing.procs import VllmServer
 from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_dead_producer_fails_fast, assert_push_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
-from tests.e2e.test_hostile_input import _server_hash
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_decode_killed_during_push_fails_the_write_and_frees_producer_blocks(tin
         block_ids=list(range(1, len(params["remote_block_ids"]) + 1)),
     )
     port = prefill_server.side_channel_port  # type: ignore[attr-defined]
-    ack = sidechannel.request("127.0.0.1", port, push, _server_hash(port), 5.0)
+    ack = sidechannel.request("127.0.0.1", port, push, server_hash(port), 5.0)
     assert isinstance(ack, wire.PushAck) and ack.accepted, ack
     # P's lease is the default 30 s and its write is held past it: only a failed write frees earlier.
     t0 = time.monotonic()

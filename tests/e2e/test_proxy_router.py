@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from kvc_testing.cluster import MODULE_FORM, ProxyProcess, make_prompts, pd_server, stats
+from kvc_testing.load import compare, expected, make_cases, proxy_health, proxy_metric, run_all, run_case
 from kvc_testing.procs import VllmServer
 from tests.e2e.conftest import MAX_MODEL_LEN
-from tests.e2e.test_proxy_xpyd import _compare, expected, make_cases, proxy_health, proxy_metric, run_all, run_case
 
 TOKEN = "e2e-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -91,7 +91,7 @@ def test_load_failing_before_the_first_token_is_retried_with_the_exact_answer(fl
         f"\n{len(cases)} requests, P-unreachable first for some: D load failures {failed_loads}, proxy retries "
         f"{retries:g}, D alone after the first token {fallbacks:g}, P served {served}"
     )
-    bad = _compare(cases, got, want)
+    bad = compare(cases, got, want)
     assert not bad, f"{len(bad)} of {len(cases)}: " + "; ".join(bad[:4])  # no error event reached a client
     assert ok == len(cases)
     assert failed_loads >= 3 and retries == failed_loads, (failed_loads, retries)  # each failed load: one retry
@@ -150,7 +150,7 @@ def test_drain_a_prefill_under_load_then_bring_it_back(fleet: Fleet) -> None:
         health = proxy_health(proxy)
         victim_after_load = health["prefill"][1]
         print(f"\ndrain under load: report {report}; served P {[b['served'] for b in health['prefill']]}")
-        bad = _compare(cases, got, want)
+        bad = compare(cases, got, want)
         assert not bad, bad[:4]  # no request failed
         assert report["drained"] is True and report["outstanding"] == 0 and report["draining"] is True
         assert victim_after_load["served"] == served_after[0] >= 1  # nothing new once drained
@@ -162,7 +162,7 @@ def test_drain_a_prefill_under_load_then_bring_it_back(fleet: Fleet) -> None:
         )
         assert undrain.status_code == 200
         again = make_cases(6, seed=73)
-        assert not _compare(again, run_all(proxy.url, again), expected(fleet.reference, again))
+        assert not compare(again, run_all(proxy.url, again), expected(fleet.reference, again))
         assert proxy_health(proxy)["prefill"][1]["served"] > victim_after_load["served"]  # serves again
 
         # removed, then added back: the same
@@ -175,7 +175,7 @@ def test_drain_a_prefill_under_load_then_bring_it_back(fleet: Fleet) -> None:
         )
         assert added.status_code == 201
         sends0 = stats(fleet.victim).completed_sends
-        assert not _compare(again, run_all(proxy.url, again), expected(fleet.reference, again))
+        assert not compare(again, run_all(proxy.url, again), expected(fleet.reference, again))
         assert stats(fleet.victim).completed_sends > sends0
 
 
@@ -185,7 +185,7 @@ def test_every_prefill_dead_decode_computes_prompts_exactly(fleet: Fleet) -> Non
     with fleet.proxy([fleet.victim, fleet.unreachable]) as proxy:
         proxy.wait_ready()
         warm = make_cases(3, seed=75)
-        assert not _compare(warm, run_all(proxy.url, warm), expected(fleet.reference, warm))
+        assert not compare(warm, run_all(proxy.url, warm), expected(fleet.reference, warm))
         fallbacks0 = proxy_metric(proxy, "kvc_proxy_decode_only_total", mode="fallback")
         for server in (fleet.victim, fleet.unreachable):
             os.killpg(server.pgid, signal.SIGKILL)
@@ -193,7 +193,7 @@ def test_every_prefill_dead_decode_computes_prompts_exactly(fleet: Fleet) -> Non
         got = run_all(proxy.url, cases)
         fallbacks = proxy_metric(proxy, "kvc_proxy_decode_only_total", mode="fallback") - fallbacks0
         health = proxy_health(proxy)
-        bad = _compare(cases, got, want)
+        bad = compare(cases, got, want)
         assert not bad, bad[:4]
         assert fallbacks == len(cases), fallbacks
         assert health["status"] == "ok"

@@ -197,6 +197,15 @@ def config(
     return ProxyConfig(prefill=tuple(spec(u) for u in prefill), decode=tuple(BackendSpec(u) for u in decode), **kwargs)
 
 
+SIDE_CHANNELS = {P1: "10.0.0.1:5710", P2: "10.0.0.2:5711"}  # P's side channels: with them the proxy runs the transfer-id flow
+
+
+def tid_config(prefill: tuple[str, ...] = (P1,), decode: tuple[str, ...] = (D1,), **kwargs: Any):
+    cfg = config(prefill, decode, side_channels=SIDE_CHANNELS, **kwargs)
+    assert cfg.resolved_flow.value == "transfer-id"  # auto: every P has a side channel
+    return cfg
+
+
 @asynccontextmanager
 async def running(cfg: ProxyConfig, fleet: Fleet, health_checks: bool = False) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """The proxy app with its lifespan running in this loop, and a client talking to it over ASGI."""

@@ -12,6 +12,7 @@ import pytest
 
 import kv_connectors.proxy
 from kv_connectors.proxy.config import Policy
+from kvc_testing.procs import free_port
 from tests.unit.proxy_fakes import (
     D1,
     D2,
@@ -30,11 +31,6 @@ from tests.unit.proxy_fakes import (
 )
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def _assert_error(resp: httpx.Response, status: int) -> dict:
@@ -339,12 +335,6 @@ async def test_one_log_line_per_request(caplog: pytest.LogCaptureFixture) -> Non
         assert "p_answer=0." in line and "d_first_byte=0." in line and "total=" in line
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_real_network_refused_and_timeout() -> None:
     """Through real sockets: a closed port gives 502, a server that never answers gives 504."""
 
@@ -357,6 +347,6 @@ def test_real_network_refused_and_timeout() -> None:
     with socket.socket() as silent:  # listens (the kernel completes the handshake) but never replies
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        _assert_error(asyncio.run(one(f"http://127.0.0.1:{_free_port()}")), 502)
+        _assert_error(asyncio.run(one(f"http://127.0.0.1:{free_port()}")), 502)
         error = _assert_error(asyncio.run(one(f"http://127.0.0.1:{silent.getsockname()[1]}")), 504)
         assert "timed out" in error["message"]

@@ -8,17 +8,11 @@ import httpx
 import pytest
 
 from kv_connectors.proxy.config import parse_args
-from tests.unit.proxy_fakes import D1, D2, P1, P2, Fleet, config, metric_value, running
-from tests.unit.test_proxy_transfer_id import tid_config
+from tests.unit.proxy_fakes import D1, D2, P1, P2, Fleet, config, metric_value, running, tid_config
 
 pytestmark = pytest.mark.anyio
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 async def _health(client: httpx.AsyncClient) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 import httpx
 import pytest
@@ -20,13 +19,12 @@ from tests.unit.proxy_fakes import (
     running,
     sse,
     text_chunks,
+    tid_config,
 )
-from tests.unit.test_proxy_transfer_id import tid_config
+from tests.unit.proxy_streams import DONE, LOAD_FAILED, failing_first
 
 pytestmark = pytest.mark.anyio
 
-LOAD_FAILED = sse({"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}})
-DONE = sse("[DONE]")
 ROLE_CHUNK = sse(
     {
         "id": "chatcmpl-d",
@@ -34,22 +32,6 @@ ROLE_CHUNK = sse(
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
     }
 )
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def failing_first(times: int, failed: list[bytes], good: list[bytes] | None = None) -> Callable[[], ChunkStream]:
-    """A D stream factory: its first `times` streams send `failed`, the others `good`."""
-    calls = {"n": 0}
-
-    def make() -> ChunkStream:
-        calls["n"] += 1
-        return ChunkStream(failed if calls["n"] <= times else (good or text_chunks(["a", "b"])))
-
-    return make
 
 
 def _no_error_event(content: bytes) -> None:

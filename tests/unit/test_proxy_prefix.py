@@ -14,11 +14,6 @@ from tests.unit.proxy_fakes import D1, D2, P1, P2, Fleet, config, metric_value, 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def test_keys_chain_whole_chunks_only() -> None:
     a = prompt_key(list(range(40)), None, 16)
     b = prompt_key(list(range(32)) + [99] * 8, None, 16)

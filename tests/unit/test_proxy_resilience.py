@@ -26,11 +26,6 @@ from tests.unit.proxy_fakes import (
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _metrics(client: httpx.AsyncClient) -> str:
     return (await client.get("/metrics")).text
 

@@ -9,15 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.unit.proxy_fakes import ChunkStream, Fleet, config, metric_value, running, sse
-from tests.unit.test_proxy_seed import D1, DONE, P1, PROMPT_IDS, d_chat_chunks, d_completion_chunks, events, p_answer
+from tests.unit.proxy_fakes import D1, P1, ChunkStream, Fleet, config, metric_value, running, sse
+from tests.unit.proxy_streams import DONE, PROMPT_IDS, d_chat_chunks, d_completion_chunks, events, p_answer
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def _vllm_max_out(route: str, body: dict[str, Any]) -> int | None:

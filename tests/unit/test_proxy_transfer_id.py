@@ -10,22 +10,22 @@ import pytest
 
 import kv_connectors.proxy.flows as flows
 from kv_connectors.proxy.config import Flow
-from tests.unit.proxy_fakes import D1, D2, P1, P2, Call, Fleet, asgi_stream, config, metric_value, running
+from tests.unit.proxy_fakes import (
+    D1,
+    D2,
+    P1,
+    P2,
+    SIDE_CHANNELS,
+    Call,
+    Fleet,
+    asgi_stream,
+    config,
+    metric_value,
+    running,
+    tid_config,
+)
 
 pytestmark = pytest.mark.anyio
-
-SIDE_CHANNELS = {P1: "10.0.0.1:5710", P2: "10.0.0.2:5711"}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def tid_config(prefill: tuple[str, ...] = (P1,), decode: tuple[str, ...] = (D1,), **kwargs: Any):
-    cfg = config(prefill, decode, side_channels=SIDE_CHANNELS, **kwargs)
-    assert cfg.resolved_flow.value == "transfer-id"  # auto: every P has a side channel
-    return cfg
 
 
 def _p_kv(body: dict[str, Any]) -> dict[str, Any]:

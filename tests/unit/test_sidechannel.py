@@ -8,13 +8,8 @@ import pytest
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.errors import HandshakeError, IncompatiblePeerError, SideChannelBindError
-from tests.unit.test_wire_config import COMPAT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvc_testing.procs import free_port
+from tests.unit.wire_samples import COMPAT
 
 
 def _handler(body):
@@ -29,7 +24,7 @@ def _handler(body):
 
 @pytest.fixture
 def server():
-    port = _free_port()
+    port = free_port()
     srv = sidechannel.SideChannelServer("127.0.0.1", port, COMPAT.hash(), _handler)
     yield port
     srv.close()
@@ -68,14 +63,14 @@ def test_port_in_use_fails_at_once():
 def test_no_server_times_out():
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match="no answer"):
-        sidechannel.request("127.0.0.1", _free_port(), wire.StatsRequest(), "", 0.5)
+        sidechannel.request("127.0.0.1", free_port(), wire.StatsRequest(), "", 0.5)
     assert time.monotonic() - t0 < 3
 
 
 def test_oversize_frame_is_dropped_unread_and_the_server_keeps_answering():
     import zmq
 
-    port = _free_port()
+    port = free_port()
     srv = sidechannel.SideChannelServer("127.0.0.1", port, COMPAT.hash(), _handler, max_msg_bytes=1 << 20)
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -97,7 +92,7 @@ def test_bind_address_differs_from_the_advertised_one():
     cfg = parse_config("P", "kv_producer", {"side_channel_host": "10.1.2.3", "side_channel_bind_host": "0.0.0.0"})
     assert (cfg.bind_host, cfg.side_channel_host) == ("0.0.0.0", "10.1.2.3")
     assert parse_config("P", "kv_producer", {"side_channel_host": "h"}).bind_host == "h"
-    port = _free_port()
+    port = free_port()
     srv = sidechannel.SideChannelServer(cfg.bind_host, port, COMPAT.hash(), _handler)
     try:  # bound on every address: reachable on loopback
         assert sidechannel.query_stats("127.0.0.1", port).held_blocks == 7
@@ -109,7 +104,7 @@ def test_client_runs_each_peer_on_its_own_thread():
     """A frozen peer delays only its own requests: another peer's answer does not wait behind it."""
     import threading
 
-    frozen_port = _free_port()
+    frozen_port = free_port()
     release = threading.Event()
 
     def frozen(body):
@@ -117,7 +112,7 @@ def test_client_runs_each_peer_on_its_own_thread():
         return _handler(body)
 
     slow = sidechannel.SideChannelServer("127.0.0.1", frozen_port, COMPAT.hash(), frozen)
-    fast_port = _free_port()
+    fast_port = free_port()
     fast = sidechannel.SideChannelServer("127.0.0.1", fast_port, COMPAT.hash(), _handler)
     client = sidechannel.SideChannelClient()
     try:
@@ -138,7 +133,7 @@ def test_client_forgets_an_address_and_can_ask_it_again(server):
     a later request to it gets a new one and is answered."""
     client = sidechannel.SideChannelClient()
     try:
-        dead = _free_port()
+        dead = free_port()
         with pytest.raises(HandshakeError):
             client.submit("127.0.0.1", dead, wire.StatsRequest(), "", 0.3).result(5)
         assert client.submit("127.0.0.1", server, wire.StatsRequest(), "", 5).result(5).held_blocks == 7
@@ -160,7 +155,7 @@ def test_shared_secret_authenticates_side_channel_messages(monkeypatch):
     assert cfg.side_channel_secret == b"s3cret" and "s3cret" not in repr(cfg)
     with pytest.raises(ConfigError, match="KVC_NO_SUCH_SECRET"):
         parse_config("P", "kv_producer", {"side_channel_secret_env": "KVC_NO_SUCH_SECRET"})
-    port = _free_port()
+    port = free_port()
     srv = sidechannel.SideChannelServer("127.0.0.1", port, COMPAT.hash(), _handler, secret=b"s3cret")
     try:
         hello = wire.HandshakeRequest("d", 0, COMPAT)

@@ -9,18 +9,7 @@ from kv_connectors.errors import ConfigError, HandshakeError, IncompatiblePeerEr
 from kv_connectors.layout import Cells, KVLayout, Part, Region
 from kv_connectors.params import parse_remote_prefill, producer_params
 from kv_connectors.producer.leases import SendLeases
-
-COMPAT = wire.CompatInfo(
-    architecture="LlamaForCausalLM",
-    num_layers=2,
-    hidden_size=128,
-    num_kv_heads=2,
-    head_size=32,
-    vocab_size=1024,
-    dtype="torch.float32",
-    block_size=32,
-    layout=(32, 2, 16384, 16384),
-)
+from tests.unit.wire_samples import COMPAT
 
 
 def test_round_trip_every_message():
