@@ -209,3 +209,22 @@ def test_the_wheel_ships_the_package_only_and_imports_what_it_declares():
         allowed = declared | optional | (proxy_extra if _under(m, ("proxy",)) else set())
         foreign = tops - set(sys.stdlib_module_names) - allowed - {"kv_connectors"}
         assert not foreign, f"kv_connectors.{m} imports {sorted(foreign)}, which the wheel does not declare"
+
+
+def test_no_test_module_imports_another_and_support_imports_no_test():
+    """A test file is read alone: what two test files share lives in a support module (tests/*/conftest.py,
+    a helper module of the suite, kvc_testing/), and kvc_testing/ and benchmarks/ import nothing of tests/."""
+    checkout = ROOT.parent
+    for path in sorted([*checkout.glob("tests/**/*.py"), *checkout.glob("kvc_testing/*.py"), *checkout.glob("benchmarks/*.py")]):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+        where = path.relative_to(checkout)
+        if where.parts[0] == "tests":
+            tests = [n for n in names if n.split(".")[-1].startswith("test_")]
+            assert not tests, f"{where} imports the test module(s) {tests}"
+        else:
+            assert not [n for n in names if n.split(".")[0] == "tests"], f"{where} imports from tests/"
