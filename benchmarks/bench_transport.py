@@ -509,8 +509,28 @@ def main(argv: list[str] | None = None) -> None:
         help="P and D in network namespaces of their own joined by veth pairs and a bridge (root; the "
         "TCP path between hosts): UCX on eth0, Mooncake and the raw TCP baseline on the namespaces' addresses",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR_OR_COMMIT",
+        help="also time another checkout (a directory, or a commit of this repository checked out for the run), "
+        "round after round with this one, and report the ratio of their medians (benchmarks/transport_baseline.py)",
+    )
+    ap.add_argument("--rounds", type=int, default=4, help="--baseline: runs of each checkout, alternating")
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args(argv)
+    if args.baseline:
+        from benchmarks.transport_baseline import compare
+
+        if args.rounds < 1:
+            ap.error("--rounds must be >= 1")
+        result = compare(args)
+        print(
+            f"this checkout {result['gbps']:.2f} GB/s ({result['ratio_memcpy']:.3f} of memcpy), {args.baseline} "
+            f"{result['baseline_gbps']:.2f} GB/s ({result['baseline_ratio_memcpy']:.3f}): ratio {result['ratio_to_baseline']:.3f}"
+        )
+        if args.json:
+            print(json.dumps(result), flush=True)
+        return
     with placement(args):
         _main(ap, args)
 
