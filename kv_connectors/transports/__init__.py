@@ -44,7 +44,7 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
 
 
 _ENGINES = {
-    "nixl": ("kv_connectors.transports.nixl", "NixlTransport"),
+    "nixl": ("kv_connectors.nixl.transport", "NixlTransport"),
     "mooncake": ("kv_connectors.transports.mooncake", "MooncakeTransport"),
 }
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError
+from kv_connectors.nixl.transport import NixlTransport
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transports.base import XferState
-from kv_connectors.transports.nixl import NixlTransport
 from kvc_testing import peers as peer
 from kvc_testing.peers import Local, Peer, PeerSpec, open_local, peer_starter
 from tests.transports.helpers import random_pairs, read_until_error, wait_done
@@ -200,7 +200,7 @@ def test_process_with_an_agent_exits_cleanly():
     """nixl's bundled libnl next to the system's (installed for Mooncake) crashed at exit (SIGSEGV)."""
     import subprocess
 
-    code = "from kv_connectors.transports.nixl import NixlTransport\nt = NixlTransport('exit-check'); t.close()\n"
+    code = "from kv_connectors.nixl.transport import NixlTransport\nt = NixlTransport('exit-check'); t.close()\n"
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
@@ -210,32 +210,32 @@ def test_cuda_ipc_get_is_enabled_only_where_an_nvidia_device_is(monkeypatch: pyt
     """UCX turns cuda_ipc GET off without NVLink and a pull of same-node VRAM crawls (0.5 GB/s on an H200)."""
     import types
 
-    from kv_connectors.transports import nixl as nt
+    from kv_connectors.nixl import ucx as nt
 
     var = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
     monkeypatch.delenv(var, raising=False)
     devices: list[str] = []
     monkeypatch.setattr(nt, "Path", lambda _: types.SimpleNamespace(glob=lambda _pat: iter(devices)))
-    nt._enable_cuda_ipc_get()
+    nt.enable_cuda_ipc_get()
     assert var not in os.environ  # no GPU: UCX would warn that the variable is unused
     devices.append("/dev/nvidia0")
-    nt._enable_cuda_ipc_get()
+    nt.enable_cuda_ipc_get()
     assert os.environ[var] == "yes"
     monkeypatch.setenv(var, "no")
-    nt._enable_cuda_ipc_get()
+    nt.enable_cuda_ipc_get()
     assert os.environ[var] == "no"  # the user's choice stands
 
 
 def test_tcp_segments_default_to_32k_and_the_users_value_stands(monkeypatch: pytest.MonkeyPatch) -> None:
     """At UCX's 8 KiB a READ over TCP ran at ~0.6 of a plain socket (32 KiB: 0.9-1.0, bench_transport)."""
-    from kv_connectors.transports import nixl as nt
+    from kv_connectors.nixl import ucx as nt
 
     var = "UCX_TCP_TX_SEG_SIZE"
     monkeypatch.delenv(var, raising=False)
-    nt._larger_tcp_segments()
+    nt.larger_tcp_segments()
     assert os.environ[var] == nt.TCP_TX_SEG_SIZE == "32k"
     monkeypatch.setenv(var, "8k")
-    nt._larger_tcp_segments()
+    nt.larger_tcp_segments()
     assert os.environ[var] == "8k"
 
 
@@ -245,7 +245,7 @@ def test_a_nixl_agent_is_created_with_the_tcp_segment_default() -> None:
     import subprocess
 
     code = (
-        "import os\nfrom kv_connectors.transports.nixl import NixlTransport\n"
+        "import os\nfrom kv_connectors.nixl.transport import NixlTransport\n"
         "t = NixlTransport('tcp-seg-check'); print('SEG=' + os.environ['UCX_TCP_TX_SEG_SIZE']); t.close()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "UCX_TCP_TX_SEG_SIZE"}

@@ -1,17 +1,14 @@
-"""NIXL transport: the Transport Protocol on nixl_agent (UCX), NIXL errors mapped to ours at the boundary."""
+"""NIXL transport: the Transport Protocol on nixl_agent (UCX), NIXL errors mapped to ours at the boundary.
+
+NIXL is loaded and its agent created in agent.py (UCX defaults: ucx.py); the handshake's bytes are metadata.py's.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
-import os
-import threading
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from kv_connectors.errors import (
@@ -21,97 +18,12 @@ from kv_connectors.errors import (
     TransportUnavailableError,
 )
 from kv_connectors.layout import KVLayout
+from kv_connectors.nixl.agent import create_agent, load_nixl, loaded_bindings
+from kv_connectors.nixl.metadata import AgentInfo, decode_metadata, encode_metadata
 from kv_connectors.plan import TransferPlan
 from kv_connectors.transports.base import MemoryKind, Op, XferState
 
 logger = logging.getLogger(__name__)
-
-_INSTALL_HINT = "pip install kv-connectors[nixl]"
-# local_metadata() = magic + msgpack(_AgentInfo); bytes without the magic are taken as raw NIXL
-# agent metadata of a host-memory peer (e.g. produced by another NIXL user).
-_MD_MAGIC = b"KVCNIXL1"
-# nixl_agent's constructor is patched for the duration of one creation (see _create_agent).
-_AGENT_CREATE_LOCK = threading.Lock()
-_nixl: tuple[ModuleType, ModuleType] | None = None
-
-
-def _skip_ib_modules_without_rdma_devices() -> None:
-    """On hosts with no RDMA device, keep UCX from loading its InfiniBand modules.
-
-    The nixl wheel bundles libibverbs and libnl; when the system's ibverbs providers are also
-    installed (Mooncake needs libibverbs1), both copies of libnl end up in the process and it
-    crashes in rtnl_tc_unregister at exit (SIGSEGV, seen with nixl 1.5.1). Without an RDMA
-    device those modules are useless anyway. A UCX_MODULES set by the user is left alone.
-    """
-    if "UCX_MODULES" in os.environ:
-        return
-    ib = Path("/sys/class/infiniband")
-    if ib.is_dir() and any(ib.iterdir()):
-        return
-    os.environ["UCX_MODULES"] = "^ib,rdmacm"
-    logger.info("no RDMA device: UCX_MODULES=^ib,rdmacm (set UCX_MODULES to override)")
-
-
-def _enable_cuda_ipc_get() -> None:
-    """Let UCX serve a READ of a same-node peer's GPU memory over cuda_ipc, as it serves a WRITE.
-
-    UCX 1.23 (bundled with nixl 1.5.1) turns cuda_ipc GET off where it finds no NVLink
-    (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto), so a pull of VRAM from a P on the same node falls back
-    to a bounce through host memory: on an H200, 1 GiB of 16 KiB blocks moved at 0.53 GB/s by READ
-    against 1559 GB/s by WRITE (benchmarks/bench_staging.py, vLLM issue 52607). Set only where an
-    NVIDIA device is present (elsewhere UCX warns that the variable is unused); a value set by the
-    user is left alone.
-    """
-    if "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in os.environ or not any(Path("/dev").glob("nvidia[0-9]*")):
-        return
-    os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "yes"
-    logger.info("NVIDIA device: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=yes (same-node READs of GPU memory over cuda_ipc)")
-
-
-# UCX's TCP transport sends in segments of UCX_TCP_TX_SEG_SIZE (8 KiB by default); a READ over TCP
-# is answered segment by segment, and at 8 KiB it ran at 0.57-0.63 of a plain socket's speed here.
-TCP_TX_SEG_SIZE = "32k"
-
-
-def _larger_tcp_segments() -> None:
-    """Send UCX's TCP traffic (the no-RDMA path between hosts) in 32 KiB segments.
-
-    Measured on one host, UCX_TLS=tcp, 256 MiB of 16 KiB blocks, in one session against a plain
-    TCP socket moving the same bytes (benchmarks/bench_transport.py --tcp-baseline): NIXL pull
-    sequential 0.61 -> 0.89-1.03 of the socket, shuffled 0.57 -> 0.72; push unchanged within noise
-    (0.88-0.95); 64 KiB segments brought pull back to 0.64. Only the tcp transport reads it (shared
-    memory, cma and RDMA do not). A value set by the user is left alone.
-    """
-    if "UCX_TCP_TX_SEG_SIZE" in os.environ:
-        return
-    os.environ["UCX_TCP_TX_SEG_SIZE"] = TCP_TX_SEG_SIZE
-    logger.debug("UCX_TCP_TX_SEG_SIZE=%s (set it to override)", TCP_TX_SEG_SIZE)
-
-
-def _load_nixl() -> tuple[ModuleType, ModuleType]:
-    """(nixl._api, its bindings module), imported on first use so `import kv_connectors` stays light."""
-    global _nixl
-    if _nixl is None:
-        _skip_ib_modules_without_rdma_devices()
-        _enable_cuda_ipc_get()
-        _larger_tcp_segments()
-        try:
-            api = importlib.import_module("nixl._api")
-        except (ImportError, OSError) as e:
-            raise TransportUnavailableError(
-                f"the NIXL transport needs the nixl package ({e}); install it with: {_INSTALL_HINT}"
-            ) from e
-        bind = getattr(api, "nixlBind", None) or importlib.import_module("nixl._bindings")
-        _nixl = (api, bind)
-    return _nixl
-
-
-class _AgentInfo(msgspec.Struct, array_like=True, frozen=True):
-    """What a peer needs besides NIXL's own metadata: where our registered memory lives."""
-
-    mem_type: str  # "DRAM" or "VRAM"
-    device_id: int
-    nixl_md: bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,15 +49,6 @@ class NixlXfer:
     _ended: bool = False
 
 
-def _decode_metadata(data: bytes) -> _AgentInfo:
-    if not data.startswith(_MD_MAGIC):
-        return _AgentInfo("DRAM", 0, bytes(data))
-    try:
-        return msgspec.msgpack.decode(data[len(_MD_MAGIC) :], type=_AgentInfo)
-    except msgspec.DecodeError as e:
-        raise TransportError(f"malformed NIXL peer metadata: {e}") from e
-
-
 def _desc_array(addr: np.ndarray, length: np.ndarray, device_id: int) -> np.ndarray:
     """(N, 3) int64 rows [addr, len, device] that NIXL turns into a descriptor list in one call."""
     out = np.empty((addr.shape[0], 3), dtype=np.int64)
@@ -153,34 +56,6 @@ def _desc_array(addr: np.ndarray, length: np.ndarray, device_id: int) -> np.ndar
     out[:, 1] = length
     out[:, 2] = device_id
     return out
-
-
-def _create_agent(name: str, conf: Any, progress_delay_us: int) -> Any:
-    """Create a nixl_agent whose progress thread sleeps progress_delay_us between polls.
-
-    nixl_agent (1.5.1) builds the bindings' nixlAgentConfig itself and hard-codes pthrDelay = 0,
-    so its progress thread spins a whole core forever. nixl_agent_config has no knob for it, so
-    the bindings' nixlAgent constructor is wrapped for the duration of this one call to set the
-    delay on the config it is handed (under a lock: the patch is process-wide while it lasts).
-    """
-    api, bind = _load_nixl()
-    real_agent_cls = bind.nixlAgent
-    applied: list[bool] = []
-
-    def make_agent(agent_name: str, agent_config: Any) -> Any:
-        agent_config.pthrDelay = progress_delay_us
-        applied.append(True)
-        return real_agent_cls(agent_name, agent_config)
-
-    with _AGENT_CREATE_LOCK:
-        bind.nixlAgent = make_agent
-        try:
-            agent = api.nixl_agent(name, conf)
-        finally:
-            bind.nixlAgent = real_agent_cls
-    if not applied:
-        logger.warning("could not set the NIXL progress-thread delay (nixl_agent changed); it may spin a core")
-    return agent
 
 
 class NixlTransport:
@@ -214,7 +89,7 @@ class NixlTransport:
             raise ConfigError(f"progress_delay_us must be >= 0 (microseconds), got {progress_delay_us}")
         if num_threads is not None and num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1 or None (NIXL default), got {num_threads}")
-        api, _ = _load_nixl()
+        api, _ = load_nixl()
         self.name = name
         self._backend = backend
         self._mem_type = "DRAM"
@@ -224,7 +99,7 @@ class NixlTransport:
         self._live: dict[int, NixlXfer] = {}
         conf = api.nixl_agent_config(enable_prog_thread=True, backends=[backend], num_threads=num_threads or 0)
         try:
-            agent = _create_agent(name, conf, progress_delay_us)
+            agent = create_agent(name, conf, progress_delay_us)
         except Exception as e:
             raise self._map_error(e, f"creating NIXL agent {name!r} with backend {backend}") from e
         if backend not in agent.backends:
@@ -263,13 +138,12 @@ class NixlTransport:
             md = agent.get_agent_metadata()
         except Exception as e:
             raise self._map_error(e, "reading local NIXL metadata") from e
-        info = _AgentInfo(self._mem_type, self._device_id, bytes(md))
-        return _MD_MAGIC + msgspec.msgpack.encode(info)
+        return encode_metadata(AgentInfo(self._mem_type, self._device_id, bytes(md)))
 
     def connect(self, peer_name: str, peer_metadata: bytes) -> None:
         """Load a peer's metadata; a known name with new metadata (restarted peer) is replaced."""
         agent = self._require_open()
-        info = _decode_metadata(peer_metadata)
+        info = decode_metadata(peer_metadata)
         old = self._peers.get(peer_name)
         if old is not None and old.metadata == peer_metadata:
             return  # same incarnation: reloading would only break its in-flight transfers
@@ -472,7 +346,7 @@ class NixlTransport:
     def _map_error(exc: Exception, what: str) -> TransportError:
         if isinstance(exc, TransportError):
             return exc
-        bind = _nixl[1] if _nixl is not None else None
+        bind = loaded_bindings()
         disconnected = getattr(bind, "nixlRemoteDisconnectError", None)
         if disconnected is not None and isinstance(exc, disconnected):
             return PeerDisconnectedError(f"{what}: peer disconnected ({exc})")
