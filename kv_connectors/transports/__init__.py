@@ -45,7 +45,7 @@ def create_transport(kind: str, name: str, cfg: ConnectorConfig, **kwargs: Any) 
 
 _ENGINES = {
     "nixl": ("kv_connectors.nixl.transport", "NixlTransport"),
-    "mooncake": ("kv_connectors.transports.mooncake", "MooncakeTransport"),
+    "mooncake": ("kv_connectors.mooncake.transport", "MooncakeTransport"),
 }
 
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransferTimeoutError, TransportError
+from kv_connectors.mooncake import metadata as mooncake_metadata
+from kv_connectors.mooncake.transport import MooncakeTransport
 from kv_connectors.plan import TransferPlan, plan_transfer
-from kv_connectors.transports import mooncake as mooncake_transport
 from kv_connectors.transports.base import XferState
-from kv_connectors.transports.mooncake import MooncakeTransport
 from kvc_testing import peers as peer
 from kvc_testing.peers import Local, Peer, PeerSpec, open_local, peer_starter
 from tests.transports.helpers import random_pairs, read_until_error, wait_done
@@ -186,9 +186,9 @@ def test_bad_addresses(local: Local, start_peer: Any) -> None:
     with pytest.raises(TransportError, match="the peer registered"):  # theirs: against its advertised ranges
         t.post_read(p.name, remote_bad, b"never")
     # A peer that advertises more than it registered: its engine refuses the run (alive, not disconnected).
-    info = mooncake_transport._decode_metadata(p.metadata)
+    info = mooncake_metadata.decode_metadata(p.metadata)
     boastful = msgspec.structs.replace(info, ranges=[(0, 1 << 62)])
-    t.connect(p.name, mooncake_transport._MD_MAGIC + msgspec.msgpack.encode(boastful))
+    t.connect(p.name, mooncake_metadata.MD_MAGIC + msgspec.msgpack.encode(boastful))
     handle = t.post_read(p.name, remote_bad, b"never")
     with pytest.raises(TransportError, match="rc -1") as err:
         wait_done(t, handle, WAIT_S)

@@ -2,12 +2,21 @@
 
 - only kv_connectors/vllm/ imports vLLM, except kv_connectors/checks.py, which hands a user's
   --kv-transfer-config to vLLM's own KVTransferConfig (`vllm`, `vllm.config`; nothing of our adapter);
-- the pure core and engine import neither vLLM nor our adapter, nor torch or a transport engine;
-- transports import nothing above them (no engine, adapter or request state);
-- only the adapter and the two module-path faces users name (kv_connectors.nixl / .mooncake) import
-  the adapter;
+- the pure core and engine import neither vLLM nor our adapter, nor torch or a transport engine, nor
+  any backend module (kv_connectors/nixl/, kv_connectors/mooncake/);
+- transports import nothing above them (no engine, adapter or request state): kv_connectors/transports/
+  and every module of a backend folder but its face;
+- the faces are exactly the backend packages users name in kv_connector_module_path
+  (kv_connectors.nixl / .mooncake): with the adapter, the only modules that import the adapter, and they
+  do it lazily (inside their module `__getattr__`), so importing a backend's transport imports no vLLM;
+- the registry's engines are backend modules, not faces;
 - no import cycle among our modules, counting imports inside functions (a lazy import only hides a
-  circle until the function runs) and relative ones; TYPE_CHECKING-only imports excepted."""
+  circle until the function runs) and relative ones; TYPE_CHECKING-only imports excepted. Importing a
+  backend module (`nixl.transport`) also counts as importing its face (`nixl`), which Python runs
+  first; other packages' `__init__`s are not counted for their submodules (transports/__init__ imports
+  transports.base: Python's own order, no circle). The adapter reaches the backends through the
+  registry (`create_transport`, by module name), never by import, so a face's lazy import of the
+  adapter closes no circle."""
 
 from __future__ import annotations
 
@@ -42,9 +51,33 @@ PURE = {
     "transports",
     "transports.memory",
 }
-TRANSPORTS = ("transports",)
-ABOVE_TRANSPORTS = ("consumer", "producer", "worker", "specs", "params", "vllm", "plugin", "nixl", "mooncake")
-FACES = ("nixl", "mooncake")  # the module paths users write in kv_connector_module_path
+FACES = ("nixl", "mooncake")  # the module paths users write in kv_connector_module_path: each backend's package
+BACKENDS = FACES  # the backend folders: the face (package __init__) and its transport modules
+ABOVE_TRANSPORTS = (
+    "consumer",
+    "producer",
+    "worker",
+    "specs",
+    "params",
+    "vllm",
+    "plugin",
+    "assembly",
+    "snapshot",
+    "cli",
+    "checks",
+    "doctor",
+    "proxy",
+)
+
+
+def _is_transport(module: str) -> bool:
+    """kv_connectors/transports/ (Protocol, registry, memory, intervals, staging) and the backends'
+    modules other than their faces."""
+    return _under(module, ("transports",)) or (_under(module, BACKENDS) and module not in FACES)
+
+
+def _is_above_transports(module: str) -> bool:
+    return module in FACES or (_under(module, ABOVE_TRANSPORTS) and not _is_transport(module))
 
 
 def _modules() -> dict[str, Path]:
@@ -63,8 +96,15 @@ def _package_of(path: Path) -> str:
     return ".".join(("kv_connectors", *path.parent.relative_to(ROOT).parts))
 
 
-def _imports(path: Path, module_level_only: bool) -> set[str]:
-    """Absolute names imported by the file, relative imports resolved (skipping `if TYPE_CHECKING:` blocks)."""
+def _is_our_module(name: str) -> bool:
+    rel = Path(*name.split(".")[1:]) if name.startswith("kv_connectors.") else None
+    return rel is not None and ((ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file())
+
+
+def _imports(path: Path, module_level_only: bool, packages_of_submodules: bool = True) -> set[str]:
+    """Absolute names imported by the file, relative imports resolved (skipping `if TYPE_CHECKING:` blocks).
+    packages_of_submodules=False: `from pkg import mod` names pkg.mod only where every name is a module
+    of ours (Python initializes pkg first, but imports nothing of what pkg defines)."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
 
@@ -79,9 +119,12 @@ def _imports(path: Path, module_level_only: bool) -> set[str]:
                 base = _package_of(path).split(".")
                 base = base[: len(base) - (node.level - 1)]
                 module = ".".join([*base, module] if module else base)
-            if node.module:  # `from . import x` names submodules x, not the package being initialized
+            names = {f"{module}.{alias.name}" for alias in node.names}
+            submodules_only = all(_is_our_module(n) for n in names)
+            # `from . import x` names submodules x, not the package being initialized
+            if node.module and (packages_of_submodules or not submodules_only):
                 found.add(module)
-            found.update(f"{module}.{alias.name}" for alias in node.names)
+            found.update(names)
         for child in ast.iter_child_nodes(node):
             nested = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             visit(child, top and not nested)
@@ -128,8 +171,7 @@ def test_the_core_and_engine_are_pure():
         bad |= {
             o
             for o in _ours(names, modules)
-            if _under(o, ("vllm", *FACES, "transports.nixl", "transports.mooncake", "transports.staging"))
-            and not (m == "worker" and _under(o, ("transports.staging",)))
+            if _under(o, ("vllm", *BACKENDS, "transports.staging")) and not (m == "worker" and _under(o, ("transports.staging",)))
         }
         assert not bad, f"kv_connectors.{m} imports {sorted(bad)}"
 
@@ -139,10 +181,55 @@ def test_only_the_faces_import_the_adapter():
     offenders = [
         m
         for m, path in modules.items()
-        if not _under(m, ("vllm", *FACES)) and any(_under(o, ("vllm",)) for o in _ours(_imports(path, False), modules))
+        if m not in FACES and not _under(m, ("vllm",)) and any(_under(o, ("vllm",)) for o in _ours(_imports(path, False), modules))
     ]
     offenders = [m for m in offenders if m != "plugin"]  # registers through compat, inside register()
     assert not offenders, f"modules other than the adapter and its faces {FACES} import kv_connectors.vllm: {offenders}"
+
+
+def test_the_faces_are_the_backend_packages_and_import_the_adapter_lazily():
+    modules = _modules()
+    for face in FACES:
+        path = modules[face]
+        assert path.name == "__init__.py", f"kv_connectors.{face} is not a backend folder's package"
+        eager = _imports(path, module_level_only=True)
+        assert not {n for n in eager if n == "vllm" or n.startswith(("vllm.", "kv_connectors."))}, (
+            f"kv_connectors.{face} imports {sorted(eager)} at module level: its connector must resolve lazily"
+        )
+        ours = _ours(_imports(path, module_level_only=False), modules)
+        assert ours == {"vllm.connector"}, f"kv_connectors.{face} imports {sorted(ours)}"
+
+
+def test_a_backends_transport_imports_no_vllm_and_its_face_resolves_the_connector():
+    """What the registry does (import the transport module: no vLLM), then what vLLM does with
+    kv_connector_module_path (import_module, then getattr), in one fresh process."""
+    import subprocess
+    import sys
+
+    from kv_connectors.transports import _ENGINES
+
+    faces = {}
+    for kind, (module, cls) in _ENGINES.items():
+        face = module.rpartition(".")[0]
+        assert face.removeprefix("kv_connectors.") in FACES and module.endswith(".transport"), (kind, module)
+        faces[face] = (module, cls)
+    code = (
+        "import importlib, sys\n"
+        f"for face, (module, cls) in {faces!r}.items():\n"
+        "    assert hasattr(importlib.import_module(module), cls), module\n"
+        "    assert 'vllm' not in sys.modules, module + ' imported vLLM'\n"
+        "    m = importlib.import_module(face)\n"
+        "    assert 'vllm' not in sys.modules, face + ' imported vLLM eagerly'\n"
+        "    assert len(m.__all__) == 1 and m.__all__[0] in dir(m), (face, dir(m))\n"
+        "from kv_connectors.vllm import connector as adapter\n"
+        "for face in " + repr(list(faces)) + ":\n"
+        "    name = importlib.import_module(face).__all__[0]\n"
+        "    assert getattr(importlib.import_module(face), name) is getattr(adapter, name), face\n"
+        "    print(name)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["NixlConnector", "MooncakeConnector"]
 
 
 def test_the_proxy_is_standalone():
@@ -157,21 +244,23 @@ def test_the_proxy_is_standalone():
 
 def test_transports_import_nothing_above_them():
     modules = _modules()
+    assert {m for m in modules if _is_transport(m) and _under(m, BACKENDS)}, "no backend modules found"
     for m, path in modules.items():
-        if not _under(m, TRANSPORTS):
+        if not _is_transport(m):
             continue
-        above = {
-            o
-            for o in _ours(_imports(path, module_level_only=False), modules)
-            if _under(o, ABOVE_TRANSPORTS) and not _under(o, TRANSPORTS)
-        }
+        names = _imports(path, module_level_only=False, packages_of_submodules=False)
+        above = {o for o in _ours(names, modules) if _is_above_transports(o)}
         assert not above, f"transport module kv_connectors.{m} imports {sorted(above)} (above it)"
 
 
 def test_no_import_cycle():
-    """Lazy (function-level) imports count: cli -> doctor -> cli inside functions was a circle too."""
+    """Lazy (function-level) imports count: cli -> doctor -> cli inside functions was a circle too.
+    A backend module's importer also depends on the backend's face, which Python initializes first."""
     modules = _modules()
-    graph = {m: _ours(_imports(p, module_level_only=False), modules) - {m} for m, p in modules.items()}
+    graph = {m: _ours(_imports(p, module_level_only=False), modules) for m, p in modules.items()}
+    for m, deps in graph.items():
+        deps |= {face for face in FACES for d in deps if _under(d, (face,))}
+        deps.discard(m)
     state: dict[str, int] = {}
 
     def visit(m: str, stack: list[str]) -> None:

@@ -1,295 +1,38 @@
-"""Mooncake transport: the Transport Protocol on Mooncake's TransferEngine (P2P handshake), return codes mapped to ours."""
+"""Mooncake transport: the Transport Protocol on Mooncake's TransferEngine (P2P handshake), return codes mapped to ours.
+
+The engine is loaded in engine.py; each peer's batches run on its thread (peer.py: PeerWorker); the handle is
+xfer.py's, the handshake's and notifications' bytes metadata.py's.
+"""
 
 from __future__ import annotations
 
-import base64
-import collections
-import dataclasses
-import enum
-import importlib
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
-from types import ModuleType
 from typing import Any
 
-import msgspec
 import numpy as np
 
-from kv_connectors.errors import (
-    ConfigError,
-    PeerDisconnectedError,
-    TransferTimeoutError,
-    TransportError,
-    TransportUnavailableError,
-)
+from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportError
 from kv_connectors.layout import KVLayout
+from kv_connectors.mooncake.engine import load_mooncake
+from kv_connectors.mooncake.metadata import PeerInfo, decode_metadata, decode_notif, encode_metadata, encode_notif
+from kv_connectors.mooncake.peer import PeerWorker, reachable
+from kv_connectors.mooncake.xfer import MooncakeXfer, Notify
 from kv_connectors.plan import TransferPlan
 from kv_connectors.transports.base import MemoryKind, Op, XferState
 from kv_connectors.transports.intervals import Ranges, merge_ranges
 
 logger = logging.getLogger(__name__)
 
-_INSTALL_HINT = "pip install kv-connectors[mooncake]"
-_APT_HINT = "apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200"
-_MD_MAGIC = b"KVCMOON1"  # local_metadata() = magic + msgpack(_PeerInfo)
-_NOTIF_PREFIX = "kvc1:"  # notify payloads are str in Mooncake: ours are base64 behind this prefix
 _SCRATCH_BYTES = 64  # registered on every side: notification-only transfers read 1 byte of the peer's
-_NO_SEGMENT = (1 << 64) - 1  # batch id returned by batch_transfer_async_* when the peer cannot be opened
-_PROBE_TIMEOUT_S = 1.0
-_SLOW_FAILURE_S = 5.0  # the engine's transfer timeout is >= 5 s: a later failure of a live peer timed out
 _JOIN_S = 2.0
 _ENGINE_TIMEOUT_S = 600  # MC_TRANSFER_TIMEOUT unless set (see MooncakeTransport)
 _WATCH_S = 1.0  # how often a peer whose failed batch may still land is probed
-# get_batch_transfer_status spins a core until the batch ends, starving the engine's own TCP threads
-# on small hosts: a peer thread first sleeps this fraction of the batch's expected time (from the
-# speed seen for runs of that size): ~1.5x the scattered-block throughput on 2 cores.
-_NAP_FRACTION = 0.8
-_MIN_NAP_S = 0.0002
-_MAX_NAP_S = 1.0
-_mooncake: ModuleType | None = None
 _NAMES: weakref.WeakValueDictionary[str, MooncakeTransport] = weakref.WeakValueDictionary()
 _NAMES_LOCK = threading.Lock()
-
-
-def _load_mooncake() -> ModuleType:
-    """mooncake.engine, imported on first use so `import kv_connectors` stays light."""
-    global _mooncake
-    if _mooncake is None:
-        try:
-            _mooncake = importlib.import_module("mooncake.engine")
-        except (ImportError, OSError) as e:
-            libs = any(lib in str(e) for lib in ("libibverbs", "libnl", "cannot open shared object"))
-            hint = f"system libraries (even for TCP): {_APT_HINT}; and " if libs else ""
-            raise TransportUnavailableError(
-                f"the Mooncake transport cannot load mooncake.engine ({e}); install {hint}{_INSTALL_HINT}"
-            ) from e
-    return _mooncake
-
-
-class _PeerInfo(msgspec.Struct, array_like=True, frozen=True):
-    """What a peer needs to reach us: the engine's session id, a registered scratch byte, and the
-    (start, end) ranges registered at the time (a peer checks its plans against them before posting:
-    the engine would refuse only the runs outside, and move the rest of the batch)."""
-
-    session_id: str  # "host:rpc_port"
-    scratch_addr: int
-    ranges: list[tuple[int, int]] = []
-
-
-class _Notify(str, enum.Enum):
-    """The kind of send_notif's internal jobs: a MooncakeXfer that moves no data, only a notification."""
-
-    NOTIF = "NOTIF"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclasses.dataclass(eq=False)
-class MooncakeXfer:
-    """Handle of one posted transfer (returned by post_read/post_write; pass it to poll/release)."""
-
-    peer_name: str
-    op: Op | _Notify  # READ or WRITE (NOTIF for send_notif's internal jobs)
-    num_runs: int
-    nbytes: int
-    num_batches: int
-    _plan: TransferPlan | None = None
-    _notif: str | None = None
-    _state: XferState = XferState.IN_PROGRESS
-    _error: TransportError | None = None
-    _cancelled: bool = False
-    _quiet: bool = False  # True for send_notif's internal jobs: errors are logged, nobody polls them
-    _in_engine: bool = False  # a batch of it is inside the engine (submitted, not returned OK)
-    _ended: bool = False  # no byte of it can move any more (settled)
-    _session: str = ""  # the peer's engine address, probed while a failed batch may still land
-
-
-def _encode_notif(msg: bytes) -> str:
-    return _NOTIF_PREFIX + base64.b64encode(bytes(msg)).decode("ascii")
-
-
-def _decode_notif(text: str) -> bytes:
-    if text.startswith(_NOTIF_PREFIX):
-        return base64.b64decode(text[len(_NOTIF_PREFIX) :])
-    return text.encode("utf-8", "surrogateescape")  # a foreign sender's plain string
-
-
-def _decode_metadata(data: bytes) -> _PeerInfo:
-    if not data.startswith(_MD_MAGIC):
-        raise TransportError("peer metadata is not from a kv-connectors Mooncake transport")
-    try:
-        return msgspec.msgpack.decode(data[len(_MD_MAGIC) :], type=_PeerInfo)
-    except msgspec.DecodeError as e:
-        raise TransportError(f"malformed Mooncake peer metadata: {e}") from e
-
-
-def _reachable(session_id: str) -> bool:
-    """Whether the peer's handshake port still accepts TCP connections (asked twice: a peer being
-    killed may hold its listening socket a moment longer than its transfers)."""
-    host, _, port = session_id.rpartition(":")
-    try:
-        for pause in (0.2, 0.0):
-            socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_TIMEOUT_S).close()
-            time.sleep(pause)
-    except OSError:
-        return False
-    return True
-
-
-class _PeerWorker:
-    """One thread per peer: runs its jobs in order, batch by batch (the engine's wait spins a core)."""
-
-    def __init__(
-        self,
-        owner: str,
-        engine: Any,
-        mc: ModuleType,
-        peer_name: str,
-        info: _PeerInfo,
-        scratch: np.ndarray,
-        max_batch: int,
-        metadata: bytes,
-        watch: Any = None,
-    ) -> None:
-        self.peer_name = peer_name
-        self._watch = watch  # called with a job whose failed batch may still move bytes
-        self.info = info
-        self.ranges = Ranges(info.ranges)  # what the peer registered, for checking its side of our plans
-        self.metadata = metadata  # exactly what connect() got: equal bytes mean the same peer incarnation
-        self._owner = owner
-        self._engine = engine
-        self._mc = mc
-        self._scratch_buf = scratch  # kept alive while an engine call may still use it
-        self._scratch = int(scratch.ctypes.data)
-        self._max_batch = max_batch
-        self._speed: dict[int, float] = {}  # bytes/s of finished batches, by run-size class
-        self._cv = threading.Condition()
-        self._jobs: collections.deque[MooncakeXfer] = collections.deque()
-        self._stop_reason: str | None = None
-        self.thread = threading.Thread(target=self._run, name=f"mooncake-{owner}-{peer_name}", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: MooncakeXfer) -> None:
-        with self._cv:
-            if self._stop_reason is not None:
-                raise TransportError(f"Mooncake peer {self.peer_name!r}: {self._stop_reason}")
-            self._jobs.append(job)
-            self._cv.notify()
-
-    def stop(self, reason: str) -> None:
-        """Fail queued jobs; the running one stops after its current batch. Does not wait."""
-        with self._cv:
-            self._stop_reason = reason
-            pending = list(self._jobs)
-            self._jobs.clear()
-            self._cv.notify()
-        for job in pending:
-            self._fail(job, PeerDisconnectedError(f"{job.op} with {self.peer_name}: {reason}"))
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._stop_reason is not None)
-                if self._stop_reason is not None:
-                    return
-                job = self._jobs.popleft()
-            try:
-                self._execute(job)
-            except TransportError as e:
-                self._fail(job, e)
-            except Exception as e:  # a bug or an engine surprise must not kill the thread silently
-                self._fail(job, TransportError(f"{job.op} with {self.peer_name}: {type(e).__name__}: {e}"))
-
-    def _fail(self, job: MooncakeXfer, err: TransportError) -> None:
-        if job._state is not XferState.DONE and job._error is None:
-            job._error = err
-        if not job._in_engine:
-            job._ended = True  # failed before or between batches, or its peer is gone
-        elif self._watch is not None:
-            job._session = self.info.session_id
-            self._watch(job)  # settled once the peer's process is gone (see MooncakeTransport)
-        if job._quiet:
-            logger.warning("Mooncake %s: notification to %s failed: %s", self._owner, self.peer_name, err)
-
-    def _execute(self, job: MooncakeXfer) -> None:
-        plan = job._plan
-        batches = plan.split(self._max_batch) if plan is not None and plan.num_runs else []
-        for i, sub in enumerate(batches):
-            self._check_going(job, f"after {i} of {len(batches)} batches")
-            self._run_batch(job, sub)
-        if job._notif is not None:
-            self._check_going(job, "before its notification")
-            # The engine sends a notify only with a synchronous transfer, once that completed (so after
-            # all our batches): read one byte of the peer's scratch to carry it.
-            started = time.monotonic()
-            rc = self._engine.batch_transfer_sync(
-                self.info.session_id,
-                [self._scratch],
-                [self.info.scratch_addr],
-                [1],
-                self._mc.TransferOpcode.Read,
-                self._mc.TransferNotify(self._owner, job._notif),
-            )
-            if rc != 0:
-                raise self._failure(job, "notification", f"rc {rc}", started)
-        job._plan = None
-        job._state = XferState.DONE
-        job._ended = True
-
-    def _check_going(self, job: MooncakeXfer, where: str) -> None:
-        if job._cancelled:
-            raise TransportError(f"{job.op} with {self.peer_name}: released {where}")
-        if self._stop_reason is not None:
-            raise PeerDisconnectedError(f"{job.op} with {self.peer_name}: {self._stop_reason} {where}")
-
-    def _run_batch(self, job: MooncakeXfer, sub: TransferPlan) -> None:
-        """Submit one batch and wait for it; naps first for most of its expected time (see _NAP_FRACTION)."""
-        read = job.op is Op.READ
-        local, remote = (sub.dst, sub.src) if read else (sub.src, sub.dst)
-        submit = self._engine.batch_transfer_async_read if read else self._engine.batch_transfer_async_write
-        nbytes = sub.total_bytes
-        size_class = (nbytes // sub.num_runs).bit_length()  # runs of similar size move at similar speed
-        started = time.monotonic()
-        job._in_engine = True
-        batch_id = submit(self.info.session_id, local.tolist(), remote.tolist(), sub.length.tolist())
-        if batch_id in (_NO_SEGMENT, 0):
-            job._in_engine = False  # nothing was submitted
-        if batch_id == _NO_SEGMENT:
-            raise PeerDisconnectedError(
-                f"Mooncake {job.op} with {self.peer_name}: cannot open its segment {self.info.session_id} (peer unreachable)"
-            )
-        if batch_id == 0:
-            raise self._failure(job, f"submitting a batch of {sub.num_runs} runs", "batch id 0", started)
-        speed = self._speed.get(size_class)
-        nap = 0.0 if speed is None else _NAP_FRACTION * nbytes / speed
-        if nap >= _MIN_NAP_S:
-            time.sleep(min(nap, _MAX_NAP_S))
-        rc = self._engine.get_batch_transfer_status([batch_id])  # busy-waits until done or failed
-        if rc != 0:
-            raise self._failure(job, f"batch of {sub.num_runs} runs", f"rc {rc}", started)
-        job._in_engine = False
-        seen = nbytes / max(time.monotonic() - started, 1e-6)
-        # Leans to the fastest recent speed, so a nap rarely outlasts the batch.
-        self._speed[size_class] = seen if speed is None else max(seen, (speed + seen) / 2)
-
-    def _failure(self, job: MooncakeXfer, what: str, code: str, started: float) -> TransportError:
-        """Mooncake says only -1: tell a dead peer from a timeout or a refused request by probing it."""
-        elapsed = time.monotonic() - started
-        sid = self.info.session_id
-        prefix = f"Mooncake {job.op} with {self.peer_name} ({sid}): {what} failed, {code} after {elapsed:.2f} s"
-        if not _reachable(sid):
-            job._in_engine = False  # its process is gone: nothing more of the batch can arrive
-            return PeerDisconnectedError(f"{prefix}; the peer is gone (its port refuses connections)")
-        if elapsed >= _SLOW_FAILURE_S:
-            return TransferTimeoutError(f"{prefix}; the peer is reachable but did not answer in time (frozen?)")
-        return TransportError(
-            f"{prefix}; the peer is alive (address outside its registered memory, queue full, or a transient error)"
-        )
 
 
 class MooncakeTransport:
@@ -323,7 +66,7 @@ class MooncakeTransport:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 (runs per engine batch), got {max_batch}")
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(_ENGINE_TIMEOUT_S))  # read by each new engine
-        mc = _load_mooncake()
+        mc = load_mooncake()
         with _NAMES_LOCK:
             if name in _NAMES:
                 raise ConfigError(f"a Mooncake transport named {name!r} is already open in this process")
@@ -331,7 +74,7 @@ class MooncakeTransport:
         self.name = name
         self._mc = mc
         self._max_batch = max_batch
-        self._peers: dict[str, _PeerWorker] = {}
+        self._peers: dict[str, PeerWorker] = {}
         self._live: dict[int, MooncakeXfer] = {}
         self._watched: list[MooncakeXfer] = []  # failed jobs whose batch may still land: until their peer is gone
         self._watch_cv = threading.Condition()
@@ -375,18 +118,17 @@ class MooncakeTransport:
     def local_metadata(self) -> bytes:
         """Opaque bytes for the handshake: our engine's session id and scratch address."""
         self._require_open()
-        info = _PeerInfo(self.session_id, int(self._scratch.ctypes.data), list(self._ranges.spans))
-        return _MD_MAGIC + msgspec.msgpack.encode(info)
+        return encode_metadata(PeerInfo(self.session_id, int(self._scratch.ctypes.data), list(self._ranges.spans)))
 
     def connect(self, peer_name: str, peer_metadata: bytes) -> None:
         """Map peer_name to its engine; a known name with new metadata (restarted peer) is replaced."""
         self._require_open()
-        info = _decode_metadata(peer_metadata)
+        info = decode_metadata(peer_metadata)
         old = self._peers.get(peer_name)
         if old is not None and old.metadata == peer_metadata:
             return  # same incarnation
         self._forget(peer_name, "replaced by a new connection", replaced=old is not None)
-        self._peers[peer_name] = _PeerWorker(
+        self._peers[peer_name] = PeerWorker(
             self.name, self._engine, self._mc, peer_name, info, self._scratch, self._max_batch, bytes(peer_metadata), self._watch
         )
         logger.info("Mooncake %s connected to %s at %s", self.name, peer_name, info.session_id)
@@ -412,9 +154,7 @@ class MooncakeTransport:
         self._check_local(op, plan)
         self._check_remote(op, plan, worker.ranges, peer_name)
         batches = -(-plan.num_runs // self._max_batch)
-        handle = MooncakeXfer(
-            peer_name, op, plan.num_runs, plan.total_bytes, batches, plan, _encode_notif(notif) if notif else None
-        )
+        handle = MooncakeXfer(peer_name, op, plan.num_runs, plan.total_bytes, batches, plan, encode_notif(notif) if notif else None)
         if plan.num_runs == 0 and not notif:
             handle._state, handle._ended = XferState.DONE, True
             return handle
@@ -481,7 +221,7 @@ class MooncakeTransport:
                     return
                 jobs = list(self._watched)
             for job in jobs:
-                if not job._ended and _reachable(job._session):
+                if not job._ended and reachable(job._session):
                     continue
                 job._ended = True  # the peer's process is gone (or a new one replaced it): nothing more can land
                 with self._watch_cv:
@@ -499,7 +239,7 @@ class MooncakeTransport:
         """Queue a small message to a connected peer, after our earlier transfers to it. Failures are logged."""
         self._require_open()
         worker = self._require_peer(peer_name)
-        worker.submit(MooncakeXfer(peer_name, _Notify.NOTIF, 0, 0, 0, None, _encode_notif(msg), _quiet=True))
+        worker.submit(MooncakeXfer(peer_name, Notify.NOTIF, 0, 0, 0, None, encode_notif(msg), _quiet=True))
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """Messages received since the last call, as (sender's transport name, message)."""
@@ -507,7 +247,7 @@ class MooncakeTransport:
         out: list[tuple[str, bytes]] = []
         for n in engine.get_notifies():
             try:
-                out.append((n.name, _decode_notif(n.msg)))
+                out.append((n.name, decode_notif(n.msg)))
             except ValueError as e:  # UnicodeDecodeError (not UTF-8) or a broken base64 payload
                 logger.warning("Mooncake %s: dropped a malformed notification: %s", self.name, e)
         return out
@@ -562,7 +302,7 @@ class MooncakeTransport:
             raise TransportError(f"Mooncake transport {self.name} is closed")
         return engine
 
-    def _require_peer(self, peer_name: str) -> _PeerWorker:
+    def _require_peer(self, peer_name: str) -> PeerWorker:
         worker = self._peers.get(peer_name)
         if worker is None:
             raise TransportError(f"Mooncake peer {peer_name!r} is not connected (call connect first)")
