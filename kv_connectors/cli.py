@@ -1,7 +1,7 @@
 """`kv-connectors` (also `python -m kv_connectors`): the command line of the operator commands.
 
 Argument parsing and output only: `check-config` runs kv_connectors/checks.py, `doctor` runs
-kv_connectors/doctor.py (and `doctor --serve`, kv_connectors/peerprobe.py). Exit status 0 when the
+kv_connectors/doctor/ (and `doctor --serve`, kv_connectors/doctor/peerprobe.py). Exit status 0 when the
 configuration would start (or the host offers what it needs), 2 when it would not, or for a bad flag.
 """
 

@@ -185,7 +185,7 @@ def test_doctor_asks_ucx_across_the_namespaces_through_a_doctor_serve_on_p(hosts
     """`doctor --serve` in P's namespace, `doctor --peer P:PORT` in D's: UCX's own answer for the path
     between the hosts (tcp over eth0 under UCX_TLS=tcp, bytes moved and verified); with D's
     UCX_NET_DEVICES=lo UCX cannot reach P, and that is exit 2 with the reason, within the deadlines."""
-    from kv_connectors.peerprobe import SERVING
+    from kv_connectors.doctor.peerprobe import SERVING
     from kvc_testing.procs import ManagedProcess
 
     argv = ["ip", "netns", "exec", hosts.p.netns, sys.executable, "-m", "kv_connectors", "doctor"]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from kv_connectors import doctor
-from kv_connectors.peerprobe import SERVING
+from kv_connectors.doctor.peerprobe import SERVING
 from kvc_testing.procs import ManagedProcess, free_port
 
 IB = Path("/sys/class/infiniband")

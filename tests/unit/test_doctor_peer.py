@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kv_connectors import doctor
+from kv_connectors.doctor import facts, peers
 
 NO_GPU = {"gpus": [], "rdma_devices": [], "gpudirect_rdma": False, "nics": ["eth0", "ib0"]}
 
@@ -19,7 +20,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """eth0 (no RDMA) and ib0 (mlx5_0 behind it); 10.0.0.0/8 via eth0, 192.168.0.0/16 via ib0."""
     (tmp_path / "class" / "net" / "eth0" / "device").mkdir(parents=True)
     (tmp_path / "class" / "net" / "ib0" / "device" / "infiniband" / "mlx5_0").mkdir(parents=True)
-    monkeypatch.setattr(doctor, "_SYS", tmp_path)
+    monkeypatch.setattr(facts, "SYS", tmp_path)
     routes = {
         "127.0.0.1": {"type": "local", "dev": "lo"},
         "10.1.2.3": {"dev": "eth0", "gateway": "10.0.0.1"},
@@ -29,7 +30,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def route(address: str) -> dict[str, Any]:
         return dict(routes[address]) if address in routes else {"error": f"no route to {address}: Network is unreachable"}
 
-    monkeypatch.setattr(doctor, "route", route)
+    monkeypatch.setattr(peers, "route", route)
     return routes
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kv_connectors import checks, cli, doctor
+from kv_connectors.doctor import command
 
 CHATTER = "ENGINE CHATTER"
 
@@ -41,7 +42,7 @@ def chattering_engines(monkeypatch: pytest.MonkeyPatch) -> None:
         selected = {"read": ["cma/memory"], "write": ["cma/memory"], "messages": ["tcp/lo"]}
         return _fake_probes([2.0, 2.2, 1.8], [2.1, 1.9, 2.4]), selected
 
-    monkeypatch.setattr(doctor, "probe_all", probe_all)
+    monkeypatch.setattr(command, "probe_all", probe_all)
 
 
 def test_json_is_the_whole_of_stdout_and_engine_output_is_dropped(
@@ -118,21 +119,21 @@ def test_the_recommendation_pastes_into_vllm_and_check_config(write: list[float]
 def test_a_path_that_raises_is_reported_and_the_others_still_probed(monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine's own exception (not ours) in one path: that path's error, not a doctor without a report;
     `then` names more paths from the results so far, probed with the same peer process."""
-    from kv_connectors import peerprobe
+    from kv_connectors.doctor import local_probe
 
     def probe_path(conn: Any, kind: str, staged: bool, *args: Any) -> dict[str, Any]:
         if staged and kind == "nixl":
             raise TypeError("an engine changed its signature")
         return {"read_gbps": 1.0 if kind == "nixl" else 0.1, "write_gbps": 1.0}
 
-    monkeypatch.setattr(peerprobe, "_probe_path", probe_path)
+    monkeypatch.setattr(local_probe, "_probe_path", probe_path)
     seen: list[set[str]] = []
 
     def then(done: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
         seen.append(set(done))
         return [("mooncake", True)]
 
-    out = peerprobe.probe_local([("nixl", True), ("nixl", False)], then=then)
+    out = local_probe.probe_local([("nixl", True), ("nixl", False)], then=then)
     assert out["nixl+staged"] == {"error": "TypeError: an engine changed its signature"}
     assert out["nixl"]["read_gbps"] == 1.0 and out["mooncake+staged"]["read_gbps"] == 0.1
     assert seen == [{"nixl", "nixl+staged"}]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kv_connectors import doctor
+from kv_connectors.doctor import peers
 
 PREFIX = "[1796186612.061764] [vm:32167:0]   "
 TABLES = """\
@@ -62,7 +63,7 @@ def test_a_host_whose_processes_talk_over_tcp_is_warned_about() -> None:
 
 
 def test_a_peer_on_this_host_gets_the_answer_ucx_gave(monkeypatch) -> None:
-    monkeypatch.setattr(doctor, "route", lambda address: {"type": "local", "dev": "lo"})
+    monkeypatch.setattr(peers, "route", lambda address: {"type": "local", "dev": "lo"})
     dev = {"gpus": [], "rdma_devices": [], "gpudirect_rdma": False, "nics": ["eth0"]}
     asked = "READ tcp/lo, WRITE tcp/lo (asked of UCX: UCX_PROTO_INFO)"
     assert doctor.peer_path("127.0.0.1", dev, {}, asked)["transport"] == asked

@@ -8,8 +8,8 @@ import struct
 import msgspec
 import pytest
 
+from kv_connectors.doctor.peerprobe import _MAX_FRAME, Hello, Welcome, _recv, _send, parse_peer
 from kv_connectors.errors import KVConnectorError
-from kv_connectors.peerprobe import _MAX_FRAME, Hello, Welcome, _recv, _send, parse_peer
 
 
 @pytest.mark.parametrize(
