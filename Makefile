@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults gpu-check clean
+.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults bench-load gpu-check clean
 
 all: test
 
@@ -90,6 +90,11 @@ bench-e2e: $(STAMP)
 # Fault scenarios against vLLM's built-in connector (real servers, ~6 minutes).
 bench-faults: $(STAMP)
 	$(VPY) -m benchmarks.bench_faults $(BENCH_ARGS)
+
+# 2P2D behind the proxy, 300 requests at concurrency 24 with faults (a P frozen, a D killed and
+# restarted, side channels fuzzed): wrong, lost, errors, p50/p99 and where the slowest waited (~5 minutes).
+bench-load: $(STAMP)
+	$(VPY) -m benchmarks.bench_load $(BENCH_ARGS)
 
 # The GPU end-to-end check on one CUDA host (benchmarks/gpu_check.py, with the host's python3 and its
 # torch): installs what it needs into .venv/gpu-check, checks every transport greedy-exact against

@@ -149,6 +149,22 @@ def test_every_flag_in_a_command_block_exists() -> None:
     assert checked >= 15, checked  # the blocks were found at all
 
 
+def test_every_benchmark_the_makefile_runs_exists_with_its_flags() -> None:
+    """The Makefile's `$(VPY) -m benchmarks.X ...` recipe lines, as the docs' command blocks are checked."""
+    checked = 0
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        m = re.match(r"^\t\$\(VPY\) -m (benchmarks\.\w+)(.*)$", line)
+        if m is None:
+            continue
+        module, args = m.group(1), shlex.split(re.sub(r"\$\(\w+\)", "", m.group(2)))
+        known = _options((module,))
+        for arg in args:
+            if FLAG.fullmatch(arg.split("=", 1)[0]):
+                assert arg.split("=", 1)[0] in known, f"Makefile: `{module} {arg}` is not in its --help"
+        checked += 1
+    assert checked >= 8, checked
+
+
 def _transfer_configs() -> Iterator[tuple[str, str]]:
     for where, tokens in _all_commands():
         for flag, value in zip(tokens, tokens[1:]):
