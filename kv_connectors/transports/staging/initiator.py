@@ -12,6 +12,7 @@ from kv_connectors.transports.base import Op, Transport, XferState
 from kv_connectors.transports.intervals import Ranges
 from kv_connectors.transports.staging.chunks import chunk_plan, one_run
 from kv_connectors.transports.staging.copier import Copies
+from kv_connectors.transports.staging.drains import Drains
 from kv_connectors.transports.staging.messages import (
     ENC,
     ERROR_KINDS,
@@ -24,14 +25,13 @@ from kv_connectors.transports.staging.messages import (
     Slot,
     Stage,
     Want,
-    error_kind,
     pack_runs,
     user_bytes,
 )
 from kv_connectors.transports.staging.outbox import Outbox
 from kv_connectors.transports.staging.peers import PeerTable
 from kv_connectors.transports.staging.pool import SlotPool
-from kv_connectors.transports.staging.xfer import Chunk, Drain, Phase, StagedXfer, Transfer
+from kv_connectors.transports.staging.xfer import Chunk, Phase, StagedXfer, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ class Initiator:
 
     A failed transfer's inner ops still in flight are polled to their end (at most drain_timeout_s)
     before their slots are reused; the peer hears of the failure (ERROR) only then, so no late write
-    of ours lands in a reused slot. Fails every transfer with a peer when the peer table reports a
-    failure talking to it."""
+    of ours lands in a reused slot (drains.py). Fails every transfer with a peer when the peer table
+    reports a failure talking to it."""
 
     def __init__(
         self,
@@ -69,12 +69,8 @@ class Initiator:
         self._peers = peers
         self._kv = kv
         self._max_runs = max_runs_per_chunk
-        self._drain_timeout = drain_timeout_s
-        self._clock = clock
         self._xfers: dict[int, Transfer] = {}  # our unfinished transfers
-        self._aborting: list[Transfer] = []  # failed transfers whose inner ops are still draining
-        self._aborted: set[int] = set()  # id() of inner ops told to abort
-        self._quarantined: set[int] = set()  # slots of inner ops that did not end in drain_timeout_s
+        self._drains = Drains(name, inner, pool=pool, outbox=outbox, drain_timeout_s=drain_timeout_s, clock=clock)
         self._next_id = random.getrandbits(56)  # random start: a restarted peer does not reuse ids
         peers.subscribe(on_failure=self.fail_peer)
 
@@ -117,8 +113,7 @@ class Initiator:
                 if c.inner is not None and t.handle.error is None:
                     with self._outbox.unit():
                         self._poll_chunk(t, c)
-        for t in list(self._aborting):
-            self._drain(t)
+        self._drains.poll()
 
     def abort(self, handle: StagedXfer, err: TransportError) -> None:
         """Fail an unfinished transfer (released by the caller, or the transport closing)."""
@@ -135,16 +130,11 @@ class Initiator:
             return True
         if handle.error is None:
             return False
-        return handle.op is Op.READ or not any(t.handle is handle for t in self._aborting)
+        return handle.op is Op.READ or not self._drains.draining(handle)
 
     @property
     def quarantined_slots(self) -> int:
-        return len(self._quarantined)
-
-    def _abort_once(self, inner: object) -> None:
-        if id(inner) not in self._aborted:
-            self._aborted.add(id(inner))
-            self._inner.abort(inner)
+        return self._drains.quarantined_slots
 
     def abort_all(self, err: TransportError) -> None:
         for t in list(self._xfers.values()):
@@ -307,43 +297,4 @@ class Initiator:
         logger.debug("staged %s with %s failed: %s", h.op, h.peer_name, err)
         if isinstance(err, PeerDisconnectedError):
             self._peers.mark_dead(t.peer, err)  # fails the peer's other transfers too
-        deadline = self._clock() + self._drain_timeout
-        for c in t.active.values():
-            if c.inner is not None:
-                t.draining.append(Drain(c.inner, c.slot, deadline))
-            elif c.slot is not None:
-                self._pool.give(c.slot, True, t.peer)
-        t.active.clear()
-        self._aborting.append(t)
-        self._drain(t)  # the peer hears of it once no write of ours can land in its slots
-
-    def _drain(self, t: Transfer) -> None:
-        """A failed transfer's inner ops: their slots go back to the pool only once the inner
-        transport says no byte of them can move (a released op may still land: UCX, Mooncake).
-        One that does not end within drain_timeout_s keeps its slot out of the pool (quarantined)."""
-        keep = []
-        now = self._clock()
-        for d in t.draining:
-            self._abort_once(d.inner)
-            if not self._inner.settled(d.inner):
-                if now > d.deadline and d.slot is not None and d.slot not in self._quarantined:
-                    self._quarantined.add(d.slot)
-                    logger.error(
-                        "staging %s: a failed %s with %s has not ended after %.0f s; its slot stays out of the pool",
-                        self._name,
-                        t.op,
-                        t.peer,
-                        self._drain_timeout,
-                    )
-                keep.append(d)
-                continue
-            self._aborted.discard(id(d.inner))
-            self._inner.release(d.inner)
-            if d.slot is not None:
-                self._quarantined.discard(d.slot)
-                self._pool.give(d.slot, True, t.peer)
-        t.draining = keep
-        if not keep:
-            self._aborting.remove(t)
-            err = t.handle.error or TransportError("aborted")
-            self._outbox.send(t.peer, Error(t.id, False, error_kind(err), str(err)))
+        self._drains.start(t)  # the peer hears of it once no write of ours can land in its slots

@@ -15,11 +15,10 @@ from kv_connectors.plan import TransferPlan
 from kv_connectors.transports.base import MemoryKind, Op, Transport, XferState
 from kv_connectors.transports.intervals import Ranges
 from kv_connectors.transports.staging.copier import Copier, Copies
+from kv_connectors.transports.staging.inbox import Handler, Inbox
 from kv_connectors.transports.staging.initiator import Initiator
 from kv_connectors.transports.staging.messages import (
-    DEC,
     MD_MAGIC,
-    MSG_MAGIC,
     Error,
     Free,
     Ready,
@@ -28,7 +27,6 @@ from kv_connectors.transports.staging.messages import (
     Slot,
     Stage,
     StagedInfo,
-    User,
     Want,
     user_bytes,
 )
@@ -72,7 +70,8 @@ class StagedTransport:
 
     The work is done by objects this class wires together: SlotPool (pool.py: the pool, its slots
     and their queue), Copies (copier.py), PeerTable (peers.py: peers, probes, death), Outbox
-    (outbox.py: batched messages), Initiator (initiator.py: our transfers) and Responder
+    (outbox.py: batched messages), Inbox (inbox.py: messages received, dispatched by type),
+    Initiator (initiator.py: our transfers; drains.py: its failed ones' inner ops) and Responder
     (responder.py: serving peers' chunks).
     """
 
@@ -124,9 +123,7 @@ class StagedTransport:
             clock=clock,
         )
         self._responder = Responder(name, pool=self._pool, copies=self._copies, outbox=self._outbox, peers=self._peers, kv=self._kv)
-        self._inbox: list[tuple[str, bytes]] = []
-        self._closed = False
-        self._handlers: dict[type, Callable[[str, Any], None]] = {
+        handlers: dict[type, Handler] = {
             Stage: self._responder.on_stage,
             Ready: self._initiator.on_ready,
             Free: self._responder.on_free,
@@ -136,6 +133,8 @@ class StagedTransport:
             Scattered: self._initiator.on_scattered,
             Error: self._on_error,
         }
+        self._inbox = Inbox(name, inner, self._peers, self._outbox, handlers)
+        self._closed = False
 
     @property
     def name(self) -> str:
@@ -241,8 +240,7 @@ class StagedTransport:
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """User messages received since the last call; staging messages are consumed here."""
         self.progress()
-        out, self._inbox = self._inbox, []
-        return out
+        return self._inbox.take()
 
     def pool_stats(self) -> dict[str, int]:
         """Pool size and use: the pool is allocated once and never grows. quarantined_slots: slots out
@@ -288,35 +286,13 @@ class StagedTransport:
     def progress(self) -> None:
         """Handle messages, poll inner ops, hand free slots out, probe silent peers. Never blocks."""
         self._require_open()
-        for peer_name, msg in self._inner.get_notifs():
-            if self._peers.live(peer_name) is not None:
-                self._peers.answered(peer_name)  # its process runs (a suspect peer is live again)
-            if msg.startswith(MSG_MAGIC):
-                self._dispatch(peer_name, msg)
-            else:
-                self._inbox.append((peer_name, msg))
+        self._inbox.read()
         self._initiator.poll()
         self._peers.poll_probes()
         self._pool.grant()
         if self._pool.allocated:
             self._peers.probe(self._busy_peers, self._waiting_peers, self._pool.probe_addr)
         self._outbox.flush()
-
-    def _dispatch(self, peer_name: str, raw: bytes) -> None:
-        try:
-            msgs = DEC.decode(raw[len(MSG_MAGIC) :])
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            logger.warning("staging %s: dropped a malformed message from %s: %s", self.name, peer_name, e)
-            return
-        for msg in msgs:
-            if isinstance(msg, User):
-                self._inbox.append((peer_name, msg.payload))
-                continue
-            if self._peers.live(peer_name) is None:
-                logger.debug("staging %s: dropped %s from unknown or gone peer %s", self.name, type(msg).__name__, peer_name)
-                continue
-            with self._outbox.unit():
-                self._handlers[type(msg)](peer_name, msg)
 
     def busy(self) -> bool:
         """A transfer of ours, or a peer's that we serve, is under way (it advances when polled);
