@@ -48,7 +48,8 @@ def create_agent(name: str, conf: Any, progress_delay_us: int) -> Any:
     the bindings' nixlAgent constructor is wrapped for the duration of this one call to set the
     delay on the config it is handed (under a lock: the patch is process-wide while it lasts).
     """
-    api, bind = load_nixl()
+    api, bindings = load_nixl()
+    bind: Any = bindings  # its nixlAgent is replaced for the call below
     real_agent_cls = bind.nixlAgent
     applied: list[bool] = []
 
