@@ -4,15 +4,12 @@ abort D and free P's blocks, bad input gets OpenAI-style errors."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -28,130 +25,22 @@ from kvc_testing.cluster import (
     stats,
     wait_until,
 )
+from kvc_testing.load import (
+    CONCURRENCY,
+    Case,
+    Outcome,
+    compare,
+    expected,
+    make_cases,
+    proxy_health,
+    proxy_metric,
+    run_all,
+    run_case,
+)
 from kvc_testing.procs import VllmServer
 from tests.e2e.conftest import MAX_MODEL_LEN
 
-MAX_TOKENS = 8
-CONCURRENCY = 8
 D_CONFIG = {"handshake_timeout_s": 5, "transfer_timeout_s": 10}
-WORDS = (
-    "the garden paper river stone light window morning music table quiet green letter city road winter bread friend story north"
-).split()
-
-
-@dataclass(frozen=True)
-class Case:
-    kind: str  # "cmpl_ids" | "cmpl_text" | "chat"
-    prompt: Any
-    stream: bool
-    max_tokens: int = MAX_TOKENS
-
-    def body(self) -> tuple[str, dict[str, Any]]:
-        base: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0, "stream": self.stream}
-        if self.stream:
-            base["stream_options"] = {"include_usage": True}
-        if self.kind == "chat":
-            return "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": self.prompt}]}
-        return "/v1/completions", {**base, "prompt": self.prompt, "return_token_ids": True}
-
-
-@dataclass(frozen=True)
-class Outcome:
-    ok: bool
-    # completions: (prompt token ids, output token ids, text, finish reason, usage); chat: (text, finish
-    # reason, usage); usage = (prompt tokens, completion tokens)
-    output: Any = None
-    error: str = ""
-
-
-def _usage(usage: Any) -> tuple[int, int] | None:
-    return None if not isinstance(usage, dict) else (usage["prompt_tokens"], usage["completion_tokens"])
-
-
-def make_cases(n: int, seed: int, max_tokens: int = MAX_TOKENS) -> list[Case]:
-    rng = random.Random(seed)
-    id_prompts = make_prompts([rng.randrange(2, 300) for _ in range(n)], seed=seed)
-    cases = []
-    for i in range(n):
-        kind = ("cmpl_ids", "cmpl_text", "chat")[i % 3]
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 120)))
-        cases.append(Case(kind, id_prompts[i] if kind == "cmpl_ids" else text, (i // 3) % 2 == 0, max_tokens))
-    return cases
-
-
-def _events(resp: httpx.Response) -> Iterator[dict[str, Any]]:
-    for line in resp.iter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[6:])
-
-
-def run_case(url: str, case: Case, timeout: float = 120.0) -> Outcome:
-    """One request; a clear error (HTTP error JSON or SSE error event) is an Outcome, anything else raises."""
-    path, body = case.body()
-    with httpx.Client(timeout=timeout) as client:
-        if not case.stream:
-            resp = client.post(url + path, json=body)
-            if resp.status_code != 200:
-                return Outcome(False, error=f"{resp.status_code}: {resp.json()['error']['message']}")
-            answer = resp.json()
-            choice, usage = answer["choices"][0], _usage(answer.get("usage"))
-            if case.kind == "chat":
-                return Outcome(True, (choice["message"]["content"], choice["finish_reason"], usage))
-            return Outcome(True, (choice["prompt_token_ids"], choice["token_ids"], choice["text"], choice["finish_reason"], usage))
-        prompt_ids: list[int] = []
-        out_ids: list[int] = []
-        text = ""
-        finish = None
-        usage = None
-        with client.stream("POST", url + path, json=body) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                return Outcome(False, error=f"{resp.status_code}: {resp.json()['error']['message']}")
-            for event in _events(resp):
-                if "error" in event:
-                    return Outcome(False, error=f"stream: {event['error']['message']}")
-                usage = _usage(event.get("usage")) or usage
-                for choice in event["choices"]:
-                    prompt_ids += choice.get("prompt_token_ids") or []
-                    out_ids += choice.get("token_ids") or []
-                    text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                    finish = choice.get("finish_reason") or finish
-    if case.kind == "chat":
-        return Outcome(True, (text, finish, usage))
-    return Outcome(True, (prompt_ids, out_ids, text, finish, usage))
-
-
-def run_all(url: str, cases: list[Case], on_done: Any = None) -> list[Outcome]:
-    def one(case: Case) -> Outcome:
-        outcome = run_case(url, case)
-        if on_done is not None:
-            on_done()
-        return outcome
-
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        return list(pool.map(one, cases))
-
-
-def expected(reference: VllmServer, cases: list[Case]) -> list[Outcome]:
-    """The colocated server's answers, asked without streaming (the same greedy output)."""
-    refs = run_all(reference.url, [Case(c.kind, c.prompt, False, c.max_tokens) for c in cases])
-    assert all(r.ok for r in refs), [r.error for r in refs if not r.ok]
-    return refs
-
-
-def proxy_health(proxy: ProxyProcess) -> dict[str, Any]:
-    return httpx.get(f"{proxy.url}/health", timeout=5).json()
-
-
-def proxy_metric(proxy: ProxyProcess, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    total = 0.0
-    for line in httpx.get(f"{proxy.url}/metrics", timeout=5).text.splitlines():
-        key, _, value = line.rpartition(" ")
-        metric_name, _, rest = key.partition("{")
-        if metric_name == name and all(part in rest for part in want.split(",") if part):
-            total += float(value)
-    return total
 
 
 class XPyD:
@@ -222,16 +111,6 @@ def xpyd(tiny_model, request) -> Iterator[XPyD]:
         cluster.stop()
 
 
-def _compare(cases: list[Case], got: list[Outcome], want: list[Outcome]) -> list[str]:
-    bad = []
-    for i, (case, g, w) in enumerate(zip(cases, got, want)):
-        if not g.ok:
-            bad.append(f"#{i} {case.kind} stream={case.stream}: error {g.error}")
-        elif g.output != w.output:
-            bad.append(f"#{i} {case.kind} stream={case.stream}: {g.output!r} != colocated {w.output!r}")
-    return bad
-
-
 def test_100_requests_equal_colocated_and_every_server_serves(xpyd: XPyD) -> None:
     cases = make_cases(100, seed=21)
     want = expected(xpyd.reference, cases)
@@ -241,7 +120,7 @@ def test_100_requests_equal_colocated_and_every_server_serves(xpyd: XPyD) -> Non
     seeded0 = proxy_metric(xpyd.proxy, "kvc_proxy_first_token_total", result="seeded")
     unseedable0 = proxy_metric(xpyd.proxy, "kvc_proxy_first_token_total", result="answer_not_seedable")
     got = run_all(xpyd.proxy.url, cases)
-    bad = _compare(cases, got, want)
+    bad = compare(cases, got, want)
     assert not bad, f"{len(bad)} of {len(cases)} differ: " + "; ".join(bad[:5])
     assert proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="ok") - ok0 == len(cases)
     # Half the cases are streamed: the first token came from P wherever P's token was whole text.
@@ -295,7 +174,7 @@ def test_load_300_requests_at_concurrency_24_no_wrong_answer(xpyd: XPyD) -> None
         got = list(pool.map(timed, cases))
     wall = time.monotonic() - t0
     errors = [g.error for g in got if not g.ok]
-    wrong = [b for b in _compare(cases, got, want) if ": error " not in b]
+    wrong = [b for b in compare(cases, got, want) if ": error " not in b]
     latencies.sort()
     p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99) - 1]
     d_stats = [stats(d) for d in xpyd.decode]
@@ -409,7 +288,7 @@ def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> N
 
     # No request lost: each one equals the colocated output or carries a clear error, and the proxy counted both.
     errors = [g for g in got if not g.ok]
-    bad = [b for b in _compare(cases, got, want) if ": error " not in b]
+    bad = [b for b in compare(cases, got, want) if ": error " not in b]
     assert not bad, bad
     after = {name: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome=name) for name in before}
     assert after["ok"] - before["ok"] == len(cases) - len(errors)
@@ -428,7 +307,7 @@ def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> N
     wait_until(lambda: not proxy_health(xpyd.proxy)["decode"][1]["healthy"], 10, "the proxy to evict D2")
     assert proxy_metric(xpyd.proxy, "kvc_proxy_evictions_total", role="decode") >= 1
     fresh = make_cases(6, seed=44)
-    assert not _compare(fresh, run_all(xpyd.proxy.url, fresh), expected(reference, fresh))
+    assert not compare(fresh, run_all(xpyd.proxy.url, fresh), expected(reference, fresh))
 
     # Restarted on the same ports, it is put back and serves again.
     xpyd.d2 = xpyd.new_d2(port=d2.port, side_channel_port=d2.side_channel_port)  # type: ignore[attr-defined]
@@ -438,6 +317,6 @@ def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> N
     served0 = proxy_health(xpyd.proxy)["decode"][1]["served"]
     loads0 = stats(xpyd.d2).recv_transfers
     again = make_cases(8, seed=55)
-    assert not _compare(again, run_all(xpyd.proxy.url, again), expected(reference, again))
+    assert not compare(again, run_all(xpyd.proxy.url, again), expected(reference, again))
     assert proxy_health(xpyd.proxy)["decode"][1]["served"] - served0 >= 2
     assert stats(xpyd.d2).recv_transfers - loads0 >= 1
