@@ -1,13 +1,15 @@
 """Load with faults: 2 P + 2 D (NIXL, params flow, the users' default deadlines) behind the proxy, the tiny
 model, mixed requests (completions by ids and by text, chat; half streamed) at a fixed concurrency, checked
 against a colocated server; meanwhile P1's and D1's side channels are fuzzed, P2 is frozen (SIGSTOP) for
---freeze-s and D2 is killed and restarted on its ports (--no-faults: none of that).
+--freeze-s and D2 is killed and restarted on its ports (--no-faults: none of that). Once every fault is
+over, --after more requests run (the restarted D2 among the backends; it must serve some of them) and
+every P and D rank's side channel must answer a stats request.
 
 Reports wrong answers, lost requests (no clear answer), errors, latency p50/p90/p99/max, and where the
 slowest requests waited: the proxy's own line per request (P's answer, D's first byte, retries, the
 backends tried) and D's line per KV load (queue, handshake, read, claim), for the slowest 1% and for all.
 
-    python -m benchmarks.bench_load [--requests 300] [--concurrency 24] [--freeze-s 12] [--no-faults] [--json]
+    python -m benchmarks.bench_load [--requests 300] [--concurrency 24] [--freeze-s 12] [--after 48] [--no-faults] [--json]
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_e2e import machine
-from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server
+from kv_connectors.errors import KVConnectorError
+from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server, stats
 from kvc_testing.faults import plan as fault_plan
 from kvc_testing.load import LoadRun, compare, expected, make_cases, run_load
 from kvc_testing.procs import VllmServer
@@ -180,6 +183,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         run: LoadRun = run_load(fleet.proxy.url, cases, args.concurrency, countdown.done if countdown else None)
         if countdown is not None:
             countdown.join(300)
+        after = _after_faults(fleet, args)
         wrong = [b for b in compare(cases, run.outcomes, want) if ": error " not in b]
         names = {s.url: s.name for s in [*fleet.prefill, *fleet.decode]}
         lines = sorted(proxy_lines(fleet.logs([fleet.proxy])), key=lambda line: line.total_s)
@@ -206,7 +210,45 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "slowest_1pct": breakdown(slowest, loads, names),
             "all": breakdown(lines, loads, names),
             "wrong_examples": wrong[:3],
+            "after_faults": after,
         }
+
+
+def _after_faults(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
+    """The fleet once every fault is over: --after requests (wrong, lost, errors, how many of them the
+    restarted D2 served) and each server's side channel answering stats."""
+    d2 = fleet.decode[1]
+    before = d2.log_path.read_text(errors="replace").count("kv load request=") if d2.log_path.exists() else 0
+    cases = make_cases(args.after, seed=args.seed + 1, max_tokens=args.max_tokens)
+    want = expected(fleet.reference, cases)
+    assert fleet.proxy is not None
+    run = run_load(fleet.proxy.url, cases, args.concurrency)
+    bad = compare(cases, run.outcomes, want)
+    side_channels: dict[str, str] = {}
+    for server in [*fleet.prefill, *fleet.decode]:
+        try:
+            reply = stats(server, timeout_s=10.0)
+            side_channels[server.name] = f"answered (engine {reply.engine_id})"
+        except KVConnectorError as e:
+            side_channels[server.name] = f"no answer: {e}"
+    return {
+        "requests": args.after,
+        "wrong": sum(": error " not in b for b in bad),
+        "lost": len(run.lost),
+        "errors": len(run.errors),
+        "served_by_restarted_d2": d2.log_path.read_text(errors="replace").count("kv load request=") - before,
+        "side_channels": side_channels,
+    }
+
+
+def after_ok(after: dict[str, Any]) -> bool:
+    """The fleet recovered: nothing wrong or lost after the faults, the restarted D2 served, every side channel answered."""
+    return (
+        after["wrong"] == 0
+        and after["lost"] == 0
+        and (after["requests"] == 0 or after["served_by_restarted_d2"] > 0)
+        and all(v.startswith("answered") for v in after["side_channels"].values())
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -215,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--freeze-s", type=float, default=12.0, help="how long P2 stays frozen")
+    ap.add_argument("--after", type=int, default=48, help="requests run once every fault is over")
     ap.add_argument("--no-faults", dest="faults", action="store_false", help="the same load with no fault")
     ap.add_argument("--d-config", default="{}", help="our connector's config for D, JSON (default: the defaults)")
     ap.add_argument("--seed", type=int, default=55)
@@ -234,7 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"faults: {result['faults']} {result['fault_problems'] or ''}")
         print(f"slowest 1%: {json.dumps(result['slowest_1pct'])}")
         print(f"all:        {json.dumps(result['all'])}")
-    return 0 if result["wrong"] == 0 and result["lost"] == 0 and not result["fault_problems"] else 1
+        print(f"after the faults: {json.dumps(result['after_faults'])}")
+    ok = result["wrong"] == 0 and result["lost"] == 0 and not result["fault_problems"] and after_ok(result["after_faults"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

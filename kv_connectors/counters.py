@@ -131,10 +131,16 @@ class Phase(enum.Enum):
     request is posted, ~0 with a known peer), then transfer (post until the load counts; the
     existing `kvc:transfer_seconds`), within which read (post until the bytes landed; push: until
     P's notice) and claim (the fence, pull: the lease words' read, or the claim's round trip);
-    total = handshake + transfer. P: lease hold (blocks held for a D, from the end of the prefill until freed or expired)."""
+    total = handshake + transfer. A load that waited on its producer's handshake also keeps the
+    handshake's parts: reply (request until the answer), pickup (answer until the engine thread took
+    it) and connect (the transport's connect). P: lease hold (blocks held for a D, from the end of
+    the prefill until freed or expired)."""
 
     QUEUE = "load_queue"
     HANDSHAKE = "load_handshake"
+    HANDSHAKE_REPLY = "load_handshake_reply"
+    HANDSHAKE_PICKUP = "load_handshake_pickup"
+    HANDSHAKE_CONNECT = "load_handshake_connect"
     CLAIM = "load_claim"
     READ = "load_read"
     TOTAL = "load_total"
@@ -145,6 +151,9 @@ class Phase(enum.Enum):
 PHASE_HELP: dict[Phase, str] = {
     Phase.QUEUE: "Decode: time a request waited in the decode instance's queue before its KV load started.",
     Phase.HANDSHAKE: "Decode: from the KV load's start until its read (or push request) was posted (the handshake).",
+    Phase.HANDSHAKE_REPLY: "Decode: a handshake a KV load waited on, from its request until the producer's answer arrived.",
+    Phase.HANDSHAKE_PICKUP: "Decode: a handshake a KV load waited on, from the producer's answer until D's engine took it.",
+    Phase.HANDSHAKE_CONNECT: "Decode: a handshake a KV load waited on, the transport's connect to the producer.",
     Phase.CLAIM: "Decode, pull: the fence (the lease words' read after the data, or the lease claim's round trip).",
     Phase.READ: "Decode: from post until the KV bytes landed (push: until the prefill instance's notice).",
     Phase.TOTAL: "Decode: from the KV load's start until it counted (handshake + transfer).",

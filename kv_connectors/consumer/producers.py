@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 from kv_connectors import sidechannel, wire
@@ -28,6 +29,20 @@ class Producer:
     error: str | None = None
     epoch: str = ""  # the producer process the cached handshake came from
     words: KVLayout | None = None  # its lease words (kv_connectors.fence), where it has them and we read them
+    # The handshake's timings (the receiver's clock): asked, answered (the client's thread), taken
+    # up by the engine thread, connected (after the transport's connect).
+    asked_at: float = 0.0
+    answered_at: float = 0.0
+    taken_at: float = 0.0
+    connected_at: float = 0.0
+
+    def waits(self) -> dict[str, float]:
+        """The handshake's parts in seconds: the round trip, the wait for the engine thread, the connect."""
+        return {
+            "reply": max(0.0, self.answered_at - self.asked_at),
+            "pickup": max(0.0, self.taken_at - self.answered_at),
+            "connect": max(0.0, self.connected_at - self.taken_at),
+        }
 
     @property
     def ready(self) -> bool:
@@ -50,8 +65,10 @@ class Producers:
         client: sidechannel.Client,
         local_metadata: bytes,
         scratch: LeaseWords | None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg
+        self._clock = clock
         self._rank, self._tp_size = rank, tp_size
         self._transport = transport
         self._layout = layout
@@ -91,7 +108,15 @@ class Producers:
             tp_size=self._tp_size,
             address=f"{self._cfg.side_channel_host}:{self._cfg.side_channel_port_for_rank(self._rank)}",
         )
-        self._peers[key] = Producer(self.submit(key, request))
+        peer = Producer(None, asked_at=self._clock())
+        future = self.submit(key, request)
+
+        def answered(_: concurrent.futures.Future[wire.Body]) -> None:  # the client's thread
+            peer.answered_at = self._clock()
+
+        future.add_done_callback(answered)
+        peer.future = future
+        self._peers[key] = peer
 
     def mark_failed(self, key: PeerKey, why: str) -> None:
         """The next request hand-shakes again (e.g. the producer restarted)."""
@@ -109,6 +134,8 @@ class Producers:
             if peer.future is None or not peer.future.done():
                 continue
             future, peer.future = peer.future, None
+            peer.taken_at = self._clock()
+            peer.answered_at = peer.answered_at or peer.taken_at
             try:
                 reply = future.result()
                 if not isinstance(reply, wire.HandshakeReply) or (key[0] and reply.engine_id != key[0]):
@@ -125,7 +152,14 @@ class Producers:
                 self._transport.connect(reply.agent_name, reply.agent_metadata)
                 peer.agent_name, peer.layout, peer.epoch = reply.agent_name, reply.layout.to_layout(), reply.epoch
                 peer.words = self._peer_words(reply, peer.layout)
-                logger.info("connected to producer %s at %s:%d", key[0], key[1], key[2])
+                peer.connected_at = self._clock()
+                logger.info(
+                    "connected to producer %s at %s:%d (%s)",
+                    key[0],
+                    key[1],
+                    key[2],
+                    " ".join(f"{part}_ms={s * 1e3:.1f}" for part, s in peer.waits().items()),
+                )
                 for other_key, other in self._peers.items():  # another process answered there before: gone
                     if other_key[1:] == key[1:] and other is not peer and other.agent_name != reply.agent_name:
                         other.error = other.error or f"replaced by {reply.agent_name} at {key[1]}:{key[2]}"

@@ -62,7 +62,16 @@ class Receiver:
         self._layout = layout
         self._hash = compat.hash()
         self.producers = Producers(
-            cfg, rank, tp_size, transport, layout, compat, client=client, local_metadata=local_metadata, scratch=scratch
+            cfg,
+            rank,
+            tp_size,
+            transport,
+            layout,
+            compat,
+            client=client,
+            local_metadata=local_metadata,
+            scratch=scratch,
+            clock=clock,
         )
         self._pull = Pull(
             cfg,
@@ -140,10 +149,13 @@ class Receiver:
         elif peer.layout is None:
             if now > task.deadline:
                 task.fail(FailReason.HANDSHAKE, "handshake with producer timed out")
-        elif self._cfg.mode is TransferMode.PUSH or not task.local_block_ids or not task.remote_block_ids:
-            self._push.start(task)  # P's blocks unknown (transfer-id flow): only P can move them
         else:
-            self._pull.start(task, peer)
+            if peer.connected_at >= task.created:  # this load waited on the handshake
+                task.handshake_waits = peer.waits()
+            if self._cfg.mode is TransferMode.PUSH or not task.local_block_ids or not task.remote_block_ids:
+                self._push.start(task)  # P's blocks unknown (transfer-id flow): only P can move them
+            else:
+                self._pull.start(task, peer)
 
     def busy(self) -> bool:
         """Any load or release under way."""
@@ -255,12 +267,11 @@ class Receiver:
             kept.append(seconds)
 
     def _complete(self, task: RecvTask) -> None:
-        read = task.read
+        now = self._clock()
+        phases = task.phases(now)
         task.phase = RecvPhase.DONE
         task.settle = None
-        now = self._clock()
         elapsed = now - task.started
-        created = task.created or task.started
         t = self.totals
         t.transfers += 1
         t.bytes += task.num_bytes
@@ -269,14 +280,6 @@ class Receiver:
         t.seconds += elapsed
         if len(t.durations) < DURATIONS_CAP:
             t.durations.append(elapsed)
-        phases = {
-            Phase.QUEUE: task.spec.queued_s,
-            Phase.HANDSHAKE: max(0.0, task.started - created),
-            Phase.READ: (read.landed_at if read is not None and read.landed_at else now) - task.started,
-            Phase.TOTAL: now - created,
-        }
-        if task.claim_s is not None:
-            phases[Phase.CLAIM] = task.claim_s
         for phase, seconds in phases.items():
             self._keep(phase, seconds)
         # One line per transfer, key=value (the phases in ms; transfer = post until the load counted).

@@ -7,6 +7,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any
 
+from kv_connectors.counters import Phase
 from kv_connectors.specs import RecvSpec
 
 if TYPE_CHECKING:
@@ -168,6 +169,7 @@ class RecvTask:
     created: float = 0.0
     started: float = 0.0
     claim_s: float | None = None
+    handshake_waits: dict[str, float] | None = None  # the handshake's parts (Producer.waits) where it waited on one
     num_bytes: int = 0
     num_descriptors: int = 0
 
@@ -199,6 +201,24 @@ class RecvTask:
     @property
     def ended(self) -> bool:
         return self.phase in (RecvPhase.DONE, RecvPhase.FAILED)
+
+    def phases(self, now: float) -> dict[Phase, float]:
+        """The load's phases in seconds (kv_connectors.counters.Phase), done at now."""
+        created = self.created or self.started
+        read = self.read
+        phases = {
+            Phase.QUEUE: self.spec.queued_s,
+            Phase.HANDSHAKE: max(0.0, self.started - created),
+            Phase.READ: (read.landed_at if read is not None and read.landed_at else now) - self.started,
+            Phase.TOTAL: now - created,
+        }
+        if self.claim_s is not None:
+            phases[Phase.CLAIM] = self.claim_s
+        if self.handshake_waits is not None:
+            phases[Phase.HANDSHAKE_REPLY] = self.handshake_waits["reply"]
+            phases[Phase.HANDSHAKE_PICKUP] = self.handshake_waits["pickup"]
+            phases[Phase.HANDSHAKE_CONNECT] = self.handshake_waits["connect"]
+        return phases
 
     def fail(self, reason: FailReason, message: str, cause: BaseException | None = None) -> None:
         """Failed with nothing in flight: reported at the next results."""

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from benchmarks.bench_load import ProxyLine, breakdown, load_phases, proxy_lines
+from benchmarks.bench_load import ProxyLine, after_ok, breakdown, load_phases, proxy_lines
 from kv_connectors.proxy.config import Role
 from kv_connectors.proxy.metrics import ProxyMetrics
 from kv_connectors.proxy.trace import Trace
@@ -51,3 +51,19 @@ def test_ds_load_line_is_read_back_with_its_phases(caplog: pytest.LogCaptureFixt
     summary = breakdown([line], phases, names)
     assert summary["d_load_ms"]["handshake_ms"] == phases["cmpl-abc123-0"]["handshake_ms"]
     assert summary["backends_used"] == {"P1": 1, "D1": 1} and summary["p_answer_to_d_first_byte_s"] == 0.2
+
+
+def test_the_fleet_recovered_only_if_the_restarted_d_served_and_every_side_channel_answered() -> None:
+    good = {
+        "requests": 48,
+        "wrong": 0,
+        "lost": 0,
+        "errors": 0,
+        "served_by_restarted_d2": 9,
+        "side_channels": {"P1": "answered (engine a)", "D2": "answered (engine b)"},
+    }
+    assert after_ok(good)
+    assert not after_ok({**good, "served_by_restarted_d2": 0})
+    assert not after_ok({**good, "wrong": 1})
+    assert not after_ok({**good, "lost": 1})
+    assert not after_ok({**good, "side_channels": {"P1": "answered (engine a)", "D2": "no answer: within 10 s"}})

@@ -69,3 +69,47 @@ def test_a_failed_load_records_no_phases() -> None:
     c.run(10, dt=0.01)
     assert c.d.failed_recving == {"d1"}
     assert c.d.engine.take_phase_durations() == {}
+
+
+def test_a_load_that_waited_on_its_handshake_keeps_the_handshakes_parts(caplog: pytest.LogCaptureFixture) -> None:
+    """The handshake's round trip, the wait for D's engine thread and the transport's connect, each
+    measured (what a 30 s first-request stall is made of), kept for the load that waited on them only."""
+    from kv_connectors.transports.memory import MemoryTransport
+
+    c = Cluster()
+    c.prefill_done("r1", P_BLOCKS)
+    c.prefill_done("r2", (8, 9))
+    c.d.client.holding = True  # the handshake's answer comes back when the test says
+    connect = c.d.transport.connect
+
+    def slow_connect(name: str, metadata: bytes) -> None:
+        c.clock.advance(0.05)  # the transport's connect takes 50 ms
+        connect(name, metadata)
+
+    c.d.transport.connect = slow_connect  # type: ignore[method-assign]
+    assert isinstance(c.d.transport, MemoryTransport)
+    with caplog.at_level(logging.INFO, logger="kv_connectors.consumer"):
+        spec = RecvSpec(("P", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS, remote_tp_size=1)
+        c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))  # P's TP size known: the handshake goes at once
+        c.clock.advance(0.3)  # the answer is 300 ms on its way
+        assert c.d.client.deliver() == 1
+        c.d.client.holding = False
+        c.clock.advance(0.1)  # and waits 100 ms for D's engine thread
+        c.run(20, dt=0.001)
+    assert c.d.finished_recving == {"d1"}
+    phases = c.d.engine.take_phase_durations()
+    assert phases[Phase.HANDSHAKE_REPLY] == [pytest.approx(0.3)]
+    assert phases[Phase.HANDSHAKE_PICKUP] == [pytest.approx(0.1, abs=0.0015)]  # and the run's first 1 ms step
+    assert phases[Phase.HANDSHAKE_CONNECT] == [pytest.approx(0.05)]
+    assert phases[Phase.HANDSHAKE][0] >= 0.45
+    messages = [r.getMessage() for r in caplog.records]
+    (line,) = [m for m in messages if m.startswith("connected to producer P ")]
+    assert "reply_ms=300.0 pickup_ms=101.0 connect_ms=50.0" in line, line
+    (load,) = [m for m in messages if m.startswith("kv load request=d1 ")]
+    assert "handshake_reply_ms=300.000" in load and "handshake_connect_ms=50.000" in load, load
+    # The next load finds the producer known: no handshake of its own to report.
+    Cluster.recv(c.d, "d2", "r2", (10, 11), (8, 9))
+    c.run(20, dt=0.001)
+    assert "d2" in c.d.finished_recving
+    later = c.d.engine.take_phase_durations()
+    assert Phase.HANDSHAKE in later and Phase.HANDSHAKE_REPLY not in later, later
