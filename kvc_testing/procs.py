@@ -84,6 +84,27 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def is_stopped(pid: int) -> bool:
+    """Every thread of pid is stopped (state T or t in /proc): a SIGSTOP has taken effect."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks]
+    except OSError:
+        return False
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP pid and return once it has taken effect (the signal is delivered asynchronously: a busy
+    host may run the process on for a while after kill() returns)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not is_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout:g} s of SIGSTOP")
+        time.sleep(0.002)
+
+
 def _set_parent_death_signal() -> None:
     """preexec_fn: SIGTERM the child when the (starting thread of the) parent dies (Linux)."""
     try:
