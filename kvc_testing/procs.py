@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import ctypes
 import logging
@@ -113,6 +114,21 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+_spawner_lock = threading.Lock()
+_spawner_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _spawner() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread that lives as long as this interpreter, to fork the children other threads start:
+    PR_SET_PDEATHSIG fires when the forking *thread* exits, so a child started from a short-lived
+    thread (a fault thread restarting a server) would be SIGTERMed as soon as that thread ended."""
+    global _spawner_pool
+    with _spawner_lock:
+        if _spawner_pool is None:
+            _spawner_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-spawner")
+        return _spawner_pool
+
+
 def started_processes() -> list[ManagedProcess]:
     """Every ManagedProcess this interpreter started (for leak checks)."""
     with _live_lock:
@@ -145,8 +161,9 @@ def _track(p: ManagedProcess, alive: bool) -> None:
 class ManagedProcess:
     """A child started in its own process group with output to a log file; stop() kills the group.
 
-    With die_with_parent the direct child also gets SIGTERM if the thread that started it dies
-    (Linux PDEATHSIG: start long-lived children from the main thread).
+    With die_with_parent the direct child also gets SIGTERM if this interpreter dies (Linux PDEATHSIG,
+    which follows the forking thread: children started off the main thread are forked by one
+    long-lived spawner thread, so they outlive the thread that asked).
     """
 
     def __init__(
@@ -191,8 +208,18 @@ class ManagedProcess:
         if self._popen is not None:
             raise RuntimeError(f"{self.name} already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.die_with_parent and threading.current_thread() is not threading.main_thread():
+            self._popen = _spawner().submit(self._popen_now).result()  # forked by a thread that outlives this one
+        else:
+            self._popen = self._popen_now()
+        self.pgid = self._popen.pid  # session leader == group leader
+        _track(self, True)
+        logger.info("started %s pid=%d log=%s", self.name, self._popen.pid, self.log_path)
+        return self
+
+    def _popen_now(self) -> subprocess.Popen[bytes]:
         with open(self.log_path, "ab") as log:
-            self._popen = subprocess.Popen(
+            return subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -202,10 +229,6 @@ class ManagedProcess:
                 start_new_session=True,
                 preexec_fn=_set_parent_death_signal if self.die_with_parent else None,
             )
-        self.pgid = self._popen.pid  # session leader == group leader
-        _track(self, True)
-        logger.info("started %s pid=%d log=%s", self.name, self._popen.pid, self.log_path)
-        return self
 
     def log_tail(self, n: int = 40) -> str:
         """Last `n` lines of the log (empty if none yet)."""
