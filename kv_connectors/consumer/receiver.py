@@ -37,6 +37,19 @@ class RecvTotals:
     phases: dict[Phase, list[float]] = dataclasses.field(default_factory=dict)  # likewise, per phase
 
 
+def _ended_disconnected(transport: Transport, handle: object) -> str | None:
+    """Why a settled transfer's connection is broken, if it ended so. A read given up on may end
+    after UCX gave up on its connection (a link cut while it waited): later reads over that
+    connection would fail as well, so the next request handshakes again instead."""
+    try:
+        transport.poll(handle)
+    except PeerDisconnectedError as e:
+        return str(e)
+    except KVConnectorError:
+        pass
+    return None
+
+
 class Receiver:
     """Owns D's receive tasks. Transport calls happen on the caller's thread; the side-channel
     client's threads only do side-channel I/O (handshakes, claims, push requests, aborts)."""
@@ -224,6 +237,8 @@ class Receiver:
         assert settle is not None
         for handle in list(settle.handles):
             if self._transport.settled(handle):
+                if (broken := _ended_disconnected(self._transport, handle)) is not None:
+                    self.producers.mark_failed(task.peer_key, broken)  # the next request connects anew
                 self._transport.release(handle)
                 settle.handles.remove(handle)
         if not settle.handles:

@@ -32,7 +32,10 @@ class MemoryFabric:
     """What connects in-process peers: their transports by name, their side channels by address.
 
     Faults: `frozen` names agents whose transfers never complete and whose side channel never
-    answers; `dead` names agents whose transfers and side channel fail at once.
+    answers; `dead` names agents whose transfers and side channel fail at once; `sever(name)`
+    breaks every connection to an agent, as UCX does once its keepalive gives up on a cut link:
+    the transfers in flight over it end with PeerDisconnectedError, and each later post over it
+    raises one until its initiator connects to that peer again (a new handshake).
 
     As the real engines: `release()` and `abort()` do not stop a transfer (UCX cannot cancel RMA,
     Mooncake finishes a submitted batch). A released transfer stays `loose` and still lands once
@@ -84,6 +87,14 @@ class MemoryFabric:
                 landed += xfer.state is XferState.DONE
         self.landed_late += landed
         return landed
+
+    def sever(self, name: str) -> None:
+        """Break every connection to and from agent `name` (see the class)."""
+        for agent_name, agent in self.agents.items():
+            for peer in [name] if agent_name != name else list(agent._peers):
+                if peer in agent._peers:
+                    agent._broken.add(peer)
+                    agent._link[peer] = agent._link.get(peer, 0) + 1
 
 
 @dataclasses.dataclass
@@ -154,6 +165,7 @@ class MemoryXfer:
     error: TransportError | None = None
     owner: MemoryTransport | None = None  # the transport that posted it
     released: bool = False
+    link: int = 0  # the connection's generation when posted (MemoryFabric.sever moves it on)
 
 
 class MemoryTransport:
@@ -170,6 +182,8 @@ class MemoryTransport:
         self._fabric = fabric
         self._ranges = Ranges()
         self._peers: set[str] = set()
+        self._broken: set[str] = set()  # peers whose connection broke (MemoryFabric.sever)
+        self._link: dict[str, int] = {}  # each peer connection's generation
         self._inbox: list[tuple[str, bytes]] = []
         self._closed = False
         self.posted = 0
@@ -187,9 +201,11 @@ class MemoryTransport:
         if peer_metadata != peer_name.encode() or peer_name not in self._fabric.agents:
             raise TransportError(f"unknown peer {peer_name!r}")
         self._peers.add(peer_name)
+        self._broken.discard(peer_name)
 
     def disconnect(self, peer_name: str) -> None:
         self._peers.discard(peer_name)
+        self._broken.discard(peer_name)
 
     def _peer(self, peer_name: str) -> MemoryTransport:
         if self._closed:
@@ -199,6 +215,8 @@ class MemoryTransport:
         peer = self._fabric.agents.get(peer_name)
         if peer is None or peer_name in self._fabric.dead:
             raise PeerDisconnectedError(f"peer {peer_name!r} is gone")
+        if peer_name in self._broken:
+            raise PeerDisconnectedError(f"the connection to {peer_name!r} broke")
         return peer
 
     def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> MemoryXfer:
@@ -216,7 +234,8 @@ class MemoryTransport:
         _check(peer._ranges, remote, plan.length, f"{peer_name}'s memory")
         _check(self._ranges, local, plan.length, "our memory")
         self.posted += 1
-        xfer = MemoryXfer(peer_name, read, plan, notif, self._fabric.clock() + self.delay_s, peer, owner=self)
+        ready_at = self._fabric.clock() + self.delay_s
+        xfer = MemoryXfer(peer_name, read, plan, notif, ready_at, peer, owner=self, link=self._link.get(peer_name, 0))
         self._try_complete(xfer)
         return xfer
 
@@ -231,6 +250,9 @@ class MemoryTransport:
             return
         if self._fabric.agents.get(xfer.peer_name) is not xfer.target:  # its memory may be freed: copy nothing
             xfer.error = PeerDisconnectedError(f"peer {xfer.peer_name!r} closed mid-transfer")
+            return
+        if xfer.link != self._link.get(xfer.peer_name, 0):
+            xfer.error = PeerDisconnectedError(f"the connection to {xfer.peer_name!r} broke mid-transfer")
             return
         if xfer.peer_name in self._fabric.frozen or self._fabric.clock() < xfer.ready_at:
             return

@@ -87,6 +87,29 @@ def test_a_read_abandoned_at_ds_deadline_is_reported_only_once_it_ended():
     assert reuse.intact(), "bytes of the abandoned read landed in blocks vLLM had given to another request"
 
 
+def test_a_read_that_ended_on_a_broken_connection_has_the_next_load_handshake_again():
+    """The link to P is cut past D's deadline and comes back: UCX gave up on the connection during
+    the cut, so the abandoned read ends with a disconnect and every later read over that connection
+    would fail. The settled read tells D so: the next load handshakes again and succeeds (it failed
+    once after every cut, the two-host test's flake)."""
+    c = Cluster()
+    reuse = Reuse(c.d, {"d1": D_BLOCKS, "d2": (8,)})
+    _read_from_a_stopped_p(c)
+    c.run(3)
+    assert not c.d.failed_recving and _settling(c) == 1
+    c.fabric.sever("P-rank0")  # the keepalive gave up on the cut link
+    c.fabric.frozen.discard("P-rank0")  # the link is back
+    c.run(3)
+    assert c.d.failed_recving == {"d1"} and _settling(c) == 0
+    c.prefill_done("r2", (4,))
+    _recv(c.d, "d2", RecvSpec(PEER, "r2", (8,), (4,)))
+    c.run(5)
+    assert c.d.failed_recving == {"d1"}, "the first load after the link came back failed"
+    assert "d2" in c.d.finished_recving
+    assert np.array_equal(c.d.block(8), c.p.block(4))
+    assert reuse.intact()
+
+
 def test_a_read_moving_when_the_claim_is_refused_is_reported_only_once_it_ended():
     """No fault at all: P's lease expired, P reused its blocks, and D's claim is refused while its
     one-second read is moving (the everyday case where lease words are off: GPU KV, staging)."""
