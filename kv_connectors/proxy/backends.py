@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -33,6 +33,7 @@ class Backend:
     consecutive_check_failures: int = 0
     prefix: PrefixCache | None = None  # with the prefix policy
     removed: bool = False  # taken out of the pool: its series are gone, requests in flight finish
+    evicted: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while out of rotation for health
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -217,6 +218,10 @@ class BackendPool:
         if backend.healthy == healthy:
             return
         backend.healthy = healthy
+        if healthy:
+            backend.evicted.clear()
+        else:
+            backend.evicted.set()  # wakes the requests in flight on it (flows: a prefill goes elsewhere)
         if not backend.removed:
             self.metrics.backend_healthy.labels(self.role.value, backend.url).set(1 if healthy else 0)
         if healthy:

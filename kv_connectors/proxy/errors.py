@@ -69,6 +69,7 @@ class FailureKind(str, enum.Enum):
     SERVER_ERROR = "server_error"  # HTTP 5xx
     BAD_ANSWER = "bad_answer"  # 2xx we cannot use (not JSON, empty stream)
     STREAM_ERROR = "stream_error"  # a 200 stream whose first event is an error (vLLM: a failed KV load)
+    EVICTED = "evicted"  # the health checks took it out of rotation while the request waited on it
 
 
 class UpstreamFailure(Exception):

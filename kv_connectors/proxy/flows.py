@@ -240,7 +240,7 @@ class PairRunner:
             if p is None:
                 return await self._decode_only(a, Mode.FALLBACK)
             try:
-                kv_params, token_ids, answer = await self._prefill_params(a.sub, p, seed)
+                kv_params, token_ids, answer = await self._prefill_unless_evicted(a, p, seed)
             except UpstreamFailure as failure:
                 self._prefill_failed(p, failure, a)
                 continue
@@ -261,6 +261,30 @@ class PairRunner:
                     if failure.kind is not FailureKind.NOT_REACHED:
                         break  # D may have read (and released) P's blocks: prefill again
                     # never reached D: P still holds the blocks under its lease, same params on another D
+
+    async def _prefill_unless_evicted(
+        self, a: _Attempt, p: Backend, seed: bool
+    ) -> tuple[dict[str, Any] | None, list[int] | None, dict[str, Any]]:
+        """P's answer, unless the health checks evict P first (a frozen or hung P keeps its connection
+        open and never answers) and another P or D alone could take the prompt: then the prefill on P
+        is cancelled and fails as EVICTED (retried elsewhere) instead of waiting out its timeout."""
+        prefill = asyncio.ensure_future(self._prefill_params(a.sub, p, seed))
+        evicted = asyncio.ensure_future(p.evicted.wait())
+        try:
+            await asyncio.wait({prefill, evicted}, return_when=asyncio.FIRST_COMPLETED)
+            if not prefill.done() and not self._may_leave(a, p):
+                return await prefill  # the prompt has nowhere else to go: wait for P (it may resume)
+        finally:
+            evicted.cancel()
+            if not prefill.done():
+                await cancel_task(prefill)  # evicted, or this request was cancelled (its client left)
+        if prefill.cancelled():
+            raise UpstreamFailure(Role.PREFILL, p.url, FailureKind.EVICTED, "was evicted by its health checks during the prefill")
+        return prefill.result()
+
+    def _may_leave(self, a: _Attempt, p: Backend) -> bool:
+        """Whether a prompt waiting on P could retry elsewhere: a retry left and another P, or D alone."""
+        return a.budget.left > 0 and (self._fallback or self.ctx.prefill.has_candidate(a.tried[Role.PREFILL] | {p}))
 
     async def _prefill_params(
         self, sub: SubRequest, p: Backend, seed: bool = False

@@ -71,6 +71,45 @@ async def test_prefill_timeout_retried() -> None:
     assert resp.status_code == 200 and fleet.urls() == [P1, P2, D1]
 
 
+async def _started(server, n: int = 1) -> None:
+    for _ in range(500):
+        if server.started >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{server.url} never got request {n}")
+
+
+async def test_a_prefill_on_a_p_evicted_meanwhile_goes_to_another_p_at_once() -> None:
+    """A frozen P (SIGSTOP) keeps its connections open and never answers: once the health checks
+    evict it, a prefill in flight on it is sent to another P instead of waiting out its timeout."""
+    fleet = Fleet((P1, P2), (D1,))
+    fleet[P1].hold = True
+    async with running(config((P1, P2), unhealthy_after=1), fleet) as (app, client):
+        request = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": [1]}))
+        await _started(fleet[P1])
+        fleet[P1].health = False
+        await app.state.health_checker.check_once()
+        resp = await asyncio.wait_for(request, 5)
+        text = await _metrics(client)
+    assert resp.status_code == 200, resp.text
+    assert fleet.urls() == [P1, P2, D1] and fleet[P1].cancelled == 1
+    assert metric_value(text, "kvc_proxy_retries_total", role="prefill") == 1
+
+
+async def test_a_prefill_on_an_evicted_p_waits_when_nothing_else_could_take_it() -> None:
+    """No other P and no decode-only fallback: the prefill waits for the evicted P (it may resume)."""
+    fleet = Fleet((P1,), (D1,))
+    fleet[P1].delay_s = 0.3
+    cfg = config((P1,), unhealthy_after=1, decode_only_fallback=False)
+    async with running(cfg, fleet) as (app, client):
+        request = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": [1]}))
+        await _started(fleet[P1])
+        fleet[P1].health = False
+        await app.state.health_checker.check_once()
+        resp = await asyncio.wait_for(request, 5)
+    assert resp.status_code == 200 and fleet.urls() == [P1, D1] and fleet[P1].cancelled == 0
+
+
 @pytest.mark.parametrize("max_retries, calls", [(0, [P1]), (1, [P1, P2]), (5, [P1, P2])])
 async def test_retries_are_bounded(max_retries: int, calls: list[str]) -> None:
     fleet = Fleet((P1, P2), (D1,))
