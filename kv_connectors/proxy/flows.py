@@ -265,9 +265,10 @@ class PairRunner:
     async def _prefill_unless_evicted(
         self, a: _Attempt, p: Backend, seed: bool
     ) -> tuple[dict[str, Any] | None, list[int] | None, dict[str, Any]]:
-        """P's answer, unless the health checks evict P first (a frozen or hung P keeps its connection
-        open and never answers) and another P or D alone could take the prompt: then the prefill on P
-        is cancelled and fails as EVICTED (retried elsewhere) instead of waiting out its timeout."""
+        """P's answer, unless P is evicted first (its health checks, or another request's failure to
+        reach it: a frozen or hung P keeps its connections open and never answers) and another P or D
+        alone could take the prompt: then the prefill on P is cancelled and fails as EVICTED (retried
+        elsewhere) instead of waiting out its timeout."""
         prefill = asyncio.ensure_future(self._prefill_params(a.sub, p, seed))
         evicted = asyncio.ensure_future(p.evicted.wait())
         try:

@@ -91,10 +91,9 @@ class MemoryFabric:
     def sever(self, name: str) -> None:
         """Break every connection to and from agent `name` (see the class)."""
         for agent_name, agent in self.agents.items():
-            for peer in [name] if agent_name != name else list(agent._peers):
-                if peer in agent._peers:
-                    agent._broken.add(peer)
-                    agent._link[peer] = agent._link.get(peer, 0) + 1
+            for peer in agent._peers if agent_name == name else agent._peers & {name}:
+                agent._broken.add(peer)
+                agent._link[peer] = agent._link.get(peer, 0) + 1
 
 
 @dataclasses.dataclass
