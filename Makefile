@@ -76,34 +76,34 @@ test-vllm-next: $(VLLM_NEXT_SRC)/vllm/_version.py
 	$(VLLM_NEXT_ENV) $(VPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_NEXT_TESTS)
 
 bench: $(STAMP)
-	$(VPY) -m benchmarks.bench_transport --size-mib 256 --block-kib 16 --order sequential
-	$(VPY) -m benchmarks.bench_transport --size-mib 256 --block-kib 16 --order shuffled
-	$(VPY) -m benchmarks.bench_hooks
+	$(VPY) -m benchmarks.transport.bench_transport --size-mib 256 --block-kib 16 --order sequential
+	$(VPY) -m benchmarks.transport.bench_transport --size-mib 256 --block-kib 16 --order shuffled
+	$(VPY) -m benchmarks.scheduler.bench_hooks
 
 # Real vLLM servers, one configuration after another (minutes): TTFT against vLLM's built-in
 # connector and colocated, layer-wise push, the proxy's own latency.
 bench-e2e: $(STAMP)
-	$(VPY) -m benchmarks.bench_e2e --model-size medium $(BENCH_ARGS)
-	$(VPY) -m benchmarks.bench_layerwise
-	$(VPY) -m benchmarks.bench_proxy
+	$(VPY) -m benchmarks.e2e.bench_e2e --model-size medium $(BENCH_ARGS)
+	$(VPY) -m benchmarks.e2e.bench_layerwise
+	$(VPY) -m benchmarks.router.bench_proxy
 
 # Fault scenarios against vLLM's built-in connector (real servers, ~6 minutes).
 bench-faults: $(STAMP)
-	$(VPY) -m benchmarks.bench_faults $(BENCH_ARGS)
+	$(VPY) -m benchmarks.faults.bench_faults $(BENCH_ARGS)
 
 # 2P2D behind the proxy, 300 requests at concurrency 24 with faults (a P frozen, a D killed and
 # restarted, side channels fuzzed): wrong, lost, errors, p50/p99 and where the slowest waited (~5 minutes).
 bench-load: $(STAMP)
-	$(VPY) -m benchmarks.bench_load $(BENCH_ARGS)
+	$(VPY) -m benchmarks.faults.bench_load $(BENCH_ARGS)
 
-# The GPU end-to-end check on one CUDA host (benchmarks/gpu_check.py, with the host's python3 and its
+# The GPU end-to-end check on one CUDA host (benchmarks/gpu/gpu_check.py, with the host's python3 and its
 # torch): installs what it needs into .venv/gpu-check, checks every transport greedy-exact against
 # colocated, foreign KV, TTFT against vLLM's built-in and colocated, staged against direct (under
 # 8 minutes, installing apart), and writes gpu_out/gpu_check.json naming the step that failed.
 # GPU_CHECK_ARGS="--dry-run" builds and checks the plan on any host with the test dependencies.
 GPU_CHECK_ARGS ?=
 gpu-check:
-	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m benchmarks.gpu.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

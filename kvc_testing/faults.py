@@ -1,6 +1,6 @@
 """Faults injected into a fleet under load, each when a share of the requests has been answered: a fuzz of
 one P's and one D's side channels, a P frozen (SIGSTOP) for a while then resumed, a D killed (SIGKILL)
-and restarted on the same ports. Used by the load benchmark (benchmarks/bench_load.py)."""
+and restarted on the same ports. Used by the load benchmark (benchmarks/faults/bench_load.py)."""
 
 from __future__ import annotations
 

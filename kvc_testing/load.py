@@ -1,7 +1,7 @@
 """Client traffic for a fleet behind a proxy: mixed OpenAI requests (completions by token ids or text,
 chat; streamed or not), their answers reduced to what a colocated server must repeat token for token,
 and the proxy's /health and /metrics read back. Used by the proxy's end-to-end tests and the load
-benchmark (benchmarks/bench_load.py)."""
+benchmark (benchmarks/faults/bench_load.py)."""
 
 from __future__ import annotations
 

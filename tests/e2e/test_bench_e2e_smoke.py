@@ -1,4 +1,4 @@
-"""`python -m benchmarks.bench_e2e` end to end on the tiny model: ours and vLLM's built-in connector against colocated."""
+"""`python -m benchmarks.e2e.bench_e2e` end to end on the tiny model: ours and vLLM's built-in connector against colocated."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_bench_e2e_reports_every_config_with_matching_outputs(interleave: bool):
     argv = [
         sys.executable,
         "-m",
-        "benchmarks.bench_e2e",
+        "benchmarks.e2e.bench_e2e",
         "--configs",
         "ours-nixl-pull,builtin-nixl",
         "--lengths",

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.bench_faults` on our connector: a killed producer fails D's request well within the deadline and
+"""`python -m benchmarks.faults.bench_faults` on our connector: a killed producer fails D's request well within the deadline and
 D keeps serving; a D request aborted while queued frees P's blocks at once (not at lease expiry); a side-channel
 port in use stops start-up with a message naming the port."""
 
@@ -22,7 +22,7 @@ def test_bench_faults_measures_our_connector():
     argv = [
         sys.executable,
         "-m",
-        "benchmarks.bench_faults",
+        "benchmarks.faults.bench_faults",
         "--connectors",
         "ours",
         "--scenarios",

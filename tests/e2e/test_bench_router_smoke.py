@@ -1,4 +1,4 @@
-"""`python -m benchmarks.bench_router` end to end on the tiny model, every scenario small (no timing asserted)."""
+"""`python -m benchmarks.router.bench_router` end to end on the tiny model, every scenario small (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_bench_router_reports_every_scenario():
-    argv = [sys.executable, "-m", "benchmarks.bench_router", "--conversations", "2", "--turns", "3", "--context", "64"]
+    argv = [sys.executable, "-m", "benchmarks.router.bench_router", "--conversations", "2", "--turns", "3", "--context", "64"]
     argv += ["--requests", "3", "--warmup", "1", "--lengths", "64,160", "--json"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -168,7 +168,7 @@ def test_bench_transport_moves_verified_bytes_between_the_namespaces(transport, 
     import subprocess
     import sys
 
-    argv = [sys.executable, "-m", "benchmarks.bench_transport", "--two-hosts", "--tcp-baseline", "--json"]
+    argv = [sys.executable, "-m", "benchmarks.transport.bench_transport", "--two-hosts", "--tcp-baseline", "--json"]
     argv += ["--transport", transport, "--mode", mode, "--size-mib", "16", "--repeat", "2", "--latency-samples", "3"]
     if transport == "mooncake":
         argv += ["--mooncake-protocol", "tcp"]

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.bench_staging` on real transports (CPU KV): both variants move verified bytes, the pool is 1/8."""
+"""`python -m benchmarks.transport.bench_staging` on real transports (CPU KV): both variants move verified bytes, pool 1/8."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_bench_staging_reports_direct_and_staged(transport: str, mode: str, loop
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.bench_staging",
+        "benchmarks.transport.bench_staging",
         "--transport",
         transport,
         "--mode",
@@ -47,7 +47,7 @@ def test_bench_staging_reports_direct_and_staged(transport: str, mode: str, loop
 
 
 def _bench_transport(*argv: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_transport", "--transport", "nixl", "--size-mib", "8", *argv]
+    cmd = [sys.executable, "-m", "benchmarks.transport.bench_transport", "--transport", "nixl", "--size-mib", "8", *argv]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 

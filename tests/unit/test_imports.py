@@ -304,7 +304,7 @@ def test_no_test_module_imports_another_and_support_imports_no_test():
     """A test file is read alone: what two test files share lives in a support module (tests/*/conftest.py,
     a helper module of the suite, kvc_testing/), and kvc_testing/ and benchmarks/ import nothing of tests/."""
     checkout = ROOT.parent
-    for path in sorted([*checkout.glob("tests/**/*.py"), *checkout.glob("kvc_testing/*.py"), *checkout.glob("benchmarks/*.py")]):
+    for path in sorted([*checkout.glob("tests/**/*.py"), *checkout.glob("kvc_testing/*.py"), *checkout.glob("benchmarks/**/*.py")]):
         names = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
