@@ -25,7 +25,8 @@ from benchmarks.transport.harness import add_engine_args, block_ids, engine_spec
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.transports.base import Transport, XferState
 from kvc_testing import peers
-from kvc_testing.peers import Peer, Shape, check_pattern, fill_sentinel
+from kvc_testing.kvbuffers import Shape, check_pattern, fill_sentinel
+from kvc_testing.peers import Peer
 
 logger = logging.getLogger(__name__)
 

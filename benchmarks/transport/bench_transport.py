@@ -23,10 +23,9 @@ from kv_connectors.layout import rank_heads, source_ranks
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.transports.base import Transport, XferState
 from kvc_testing import netns, peers
-from kvc_testing.peers import (
+from kvc_testing.kvbuffers import (
     F32,
     HEAD_DIM_X2,
-    Peer,
     Shape,
     bench_kv,
     check_heads,
@@ -35,6 +34,7 @@ from kvc_testing.peers import (
     fill_pattern,
     fill_sentinel,
 )
+from kvc_testing.peers import Peer
 
 logger = logging.getLogger(__name__)
 

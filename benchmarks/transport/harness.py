@@ -12,7 +12,8 @@ import numpy as np
 from kv_connectors.layout import KVLayout
 from kv_connectors.transports.base import Transport
 from kvc_testing import peers
-from kvc_testing.peers import Peer, PeerSpec, Shape
+from kvc_testing.kvbuffers import Shape
+from kvc_testing.peers import Peer, PeerSpec
 
 START_TIMEOUT_S = 120.0
 

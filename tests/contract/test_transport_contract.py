@@ -15,7 +15,7 @@ import pytest
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError, TransportError
 from kv_connectors.plan import TransferPlan
 from kv_connectors.transports.base import XferState
-from kvc_testing.peers import block_copy, make_kv, storage_digest
+from kvc_testing.kvbuffers import block_copy, make_kv, storage_digest
 from tests.contract.conftest import D_SEED, KNOWN_DEFECTS, P_SEED, Pair
 from tests.transports.helpers import pick_blocks, read_until_error
 

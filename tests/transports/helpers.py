@@ -1,6 +1,7 @@
 """Test-side helpers shared by the transport tests and the contract suite: waits, block choices and plans.
 
-Peers, KV caches and transports come from kvc_testing.peers (one harness for tests and benchmarks)."""
+Peers and transports come from kvc_testing.peers, KV caches from kvc_testing.kvbuffers (one harness
+for tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 from kv_connectors.errors import TransportError
 from kv_connectors.plan import TransferPlan
 from kv_connectors.transports.base import XferState
-from kvc_testing.peers import STAGED_BLOCKS
+from kvc_testing.kvbuffers import STAGED_BLOCKS
 
 
 # Waits ---------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 registered with NIXL and Mooncake in two processes (and the memory transport in one), planned by
 the project's planner from `cells_of_tensor`'s cells and moved with READ (pull) and WRITE (push).
 The destination is compared byte for byte with a numpy gather of the source's tokens
-(`peers.token_copy`); every byte outside the plan is compared with what was there before.
+(`kvbuffers.token_copy`); every byte outside the plan is compared with what was there before.
 
 Covered: whole blocks at one block size (`plan_blocks`, as the receiver and sender call it);
 tensor parallelism (the latent is replicated: each decode rank loads it from the one prefill rank
@@ -25,8 +25,9 @@ from kv_connectors.layout import KVLayout, rank_heads, reader_count, source_rank
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells, plan_transfer
 from kv_connectors.transports.base import Op
 from kv_connectors.transports.memory import MemoryFabric
-from kvc_testing import peers
-from kvc_testing.peers import MLA_HEADS, MLA_LATENT, MLA_LAYERS, InProcessPeer, Local, Peer, PeerSpec
+from kvc_testing import kvbuffers, peers
+from kvc_testing.kvbuffers import MLA_HEADS, MLA_LATENT, MLA_LAYERS
+from kvc_testing.peers import InProcessPeer, Local, Peer, PeerSpec
 from tests.transports.helpers import random_pairs, wait_all
 
 pytestmark = pytest.mark.timeout(180)
@@ -120,7 +121,7 @@ def fresh(rig: Rig) -> Rig:
 
 def refill(storage: Storage, seed: int, profile: str) -> None:
     """Storage (registered: kept in place) holds seed's bytes again."""
-    for a, b in zip(storage, peers.make_kv(seed, profile)):
+    for a, b in zip(storage, kvbuffers.make_kv(seed, profile)):
         a[...] = b
 
 
@@ -135,11 +136,11 @@ def _with_rank(layout: KVLayout, tp_size: int, rank: int) -> KVLayout:
 def _check_moved(op: Op, loc: Local, peer: Peer | InProcessPeer, digest: str, source: Storage) -> Storage:
     """The destination's bytes after a move; the source's are unchanged."""
     if op is Op.READ:
-        assert peers.same_bytes(peer.call("dump"), source), "the source changed"
+        assert kvbuffers.same_bytes(peer.call("dump"), source), "the source changed"
         return loc.storage
-    assert peers.same_bytes(loc.storage, source), "the source changed"
+    assert kvbuffers.same_bytes(loc.storage, source), "the source changed"
     got: Storage = peer.call("dump")
-    assert digest == peers.storage_digest(got), "the notification arrived before the data"
+    assert digest == kvbuffers.storage_digest(got), "the notification arrived before the data"
     return got
 
 
@@ -156,25 +157,25 @@ def _tokens(rig: Rig, op: Op, p_bs: int, d_bs: int, plan_of: Planner, ref: Refer
     src, dst = (remote, loc.storage) if op is Op.READ else (loc.storage, remote)
     expected = [a.copy() for a in dst]
     ref(expected, src)
-    assert not peers.same_bytes(expected, dst), "the plan's tokens are already there: the test would prove nothing"
+    assert not kvbuffers.same_bytes(expected, dst), "the plan's tokens are already there: the test would prove nothing"
     source = [a.copy() for a in src]
     digest = rig.move(loc, peer, op, plan, f"{op}-{p_bs}-{d_bs}".encode())
     got = _check_moved(op, loc, peer, digest, source)
-    assert peers.same_bytes(got, expected), f"{rig.kind} {op}: the destination differs from the reference gather"
+    assert kvbuffers.same_bytes(got, expected), f"{rig.kind} {op}: the destination differs from the reference gather"
     return plan
 
 
 @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
 def test_whole_blocks_at_one_block_size(fresh: Rig, op: Op) -> None:
     """12 blocks of 16 tokens, shuffled, two runs consecutive on both sides: whole-block runs, coalesced."""
-    p_ids, d_ids = random_pairs(np.random.default_rng(5), peers.MLA_BLOCKS)
+    p_ids, d_ids = random_pairs(np.random.default_rng(5), kvbuffers.MLA_BLOCKS)
     tokens = len(p_ids) * 16
 
     def plan_of(p: KVLayout, d: KVLayout) -> TransferPlan:
         return plan_blocks(p, p_ids, d, d_ids)
 
     def ref(dst: Storage, src: Storage) -> None:
-        peers.token_copy(dst, src, BlockTable(p_ids), BlockTable(d_ids), 0, tokens)
+        kvbuffers.token_copy(dst, src, BlockTable(p_ids), BlockTable(d_ids), 0, tokens)
 
     plan = _tokens(fresh, op, 16, 16, plan_of, ref)
     assert plan.total_bytes == MLA_LAYERS * tokens * TOKEN_BYTES
@@ -190,8 +191,8 @@ def test_other_block_sizes_token_by_token_after_ds_prefix(fresh: Rig, op: Op, p_
     rng = np.random.default_rng(p_bs)
     first = d_bs  # D's prefix-cache hit: its first block
     count = SEQ_TOKENS - first
-    p_all = rng.permutation(peers.MLA_BLOCKS * 16 // p_bs)[: -(-SEQ_TOKENS // p_bs)].tolist()
-    d_new = rng.permutation(peers.MLA_BLOCKS * 16 // d_bs)[: -(-count // d_bs)].tolist()
+    p_all = rng.permutation(kvbuffers.MLA_BLOCKS * 16 // p_bs)[: -(-SEQ_TOKENS // p_bs)].tolist()
+    d_new = rng.permutation(kvbuffers.MLA_BLOCKS * 16 // d_bs)[: -(-count // d_bs)].tolist()
     d_table = BlockTable(d_new, first)
     p_table = BlockTable(p_all[first // p_bs :], first - first % p_bs) if op is Op.READ else BlockTable(p_all)
 
@@ -199,7 +200,7 @@ def test_other_block_sizes_token_by_token_after_ds_prefix(fresh: Rig, op: Op, p_
         return plan_cells(p, p_table, d, d_table, first, count)
 
     def ref(dst: Storage, src: Storage) -> None:
-        peers.token_copy(dst, src, p_table, d_table, first, count)
+        kvbuffers.token_copy(dst, src, p_table, d_table, first, count)
 
     plan = _tokens(fresh, op, p_bs, d_bs, plan_of, ref)
     assert plan.total_bytes == MLA_LAYERS * count * TOKEN_BYTES
@@ -217,10 +218,10 @@ def _tp_read(rig: Rig, p_tp: int, d_tp: int, p_ids: list[int], d_ids: list[int])
         assert peer.layout is not None
         plan = plan_blocks(_with_rank(peer.layout, p_tp, p), p_ids, _with_rank(loc.layout, d_tp, r), d_ids)
         assert plan.runs() == plan_transfer(peer.layout, p_ids, loc.layout, d_ids).runs()  # whole blocks
-        expected = peers.make_kv(LOCAL_SEED + r, "mla")
-        peers.block_copy(expected, peers.make_kv(PEERS["ab"[p]][0], "mla"), p_ids, d_ids)
+        expected = kvbuffers.make_kv(LOCAL_SEED + r, "mla")
+        kvbuffers.block_copy(expected, kvbuffers.make_kv(PEERS["ab"[p]][0], "mla"), p_ids, d_ids)
         rig.move(loc, peer, Op.READ, plan, f"tp-{p_tp}-{d_tp}-{r}".encode())
-        assert peers.same_bytes(loc.storage, expected), f"D rank {r} of {d_tp} does not hold P rank {p}'s latent alone"
+        assert kvbuffers.same_bytes(loc.storage, expected), f"D rank {r} of {d_tp} does not hold P rank {p}'s latent alone"
         readers[p] += 1
     return readers
 
@@ -229,20 +230,20 @@ def _tp_write(rig: Rig, p_tp: int, d_tp: int, p_ids: list[int], d_ids: list[int]
     """Each P rank of p_tp (in turn, on our one KV cache refilled with its own bytes) writes the latent
     into every D rank (peers a, b) whose source_ranks name it; how many D ranks each P rank wrote."""
     written = dict.fromkeys(range(p_tp), 0)
-    expected = {r: peers.make_kv(PEERS["ab"[r]][0], "mla") for r in range(d_tp)}
+    expected = {r: kvbuffers.make_kv(PEERS["ab"[r]][0], "mla") for r in range(d_tp)}
     for p in range(p_tp):
         loc = rig.local("mla", LOCAL_SEED + p)
         for r in [r for r in range(d_tp) if p in source_ranks(MLA_HEADS, p_tp, d_tp, r)]:
             peer = rig.peers["ab"[r]]
             assert peer.layout is not None
             plan = plan_blocks(_with_rank(loc.layout, p_tp, p), p_ids, _with_rank(peer.layout, d_tp, r), d_ids)
-            peers.block_copy(expected[r], loc.storage, p_ids, d_ids)
+            kvbuffers.block_copy(expected[r], loc.storage, p_ids, d_ids)
             digest = rig.move(loc, peer, Op.WRITE, plan, f"tp-{p_tp}-{d_tp}-{p}-{r}".encode())
-            assert digest == peers.storage_digest(expected[r]), "the notification arrived before the data"
+            assert digest == kvbuffers.storage_digest(expected[r]), "the notification arrived before the data"
             written[p] += 1
     for r in range(d_tp):
         got = rig.peers["ab"[r]].call("dump")
-        assert peers.same_bytes(got, expected[r]), f"D rank {r} of {d_tp} does not hold one P rank's latent alone"
+        assert kvbuffers.same_bytes(got, expected[r]), f"D rank {r} of {d_tp} does not hold one P rank's latent alone"
     return written
 
 

@@ -18,7 +18,7 @@ from kv_connectors.mooncake import metadata as mooncake_metadata
 from kv_connectors.mooncake.transport import MooncakeTransport
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.transports.base import XferState
-from kvc_testing import peers as peer
+from kvc_testing import kvbuffers
 from kvc_testing.peers import Local, Peer, PeerSpec, open_local, peer_starter
 from tests.transports.helpers import random_pairs, read_until_error, wait_done
 
@@ -49,13 +49,13 @@ def test_read_random_blocks(local: Local, start_peer: Any) -> None:
     p = start_peer(seed=1)
     t = local.transport
     t.connect(p.name, p.metadata)
-    src_ids, dst_ids = random_pairs(np.random.default_rng(0), peer.SMALL_BLOCKS)
+    src_ids, dst_ids = random_pairs(np.random.default_rng(0), kvbuffers.SMALL_BLOCKS)
     plan = plan_transfer(p.layout, src_ids, local.layout, dst_ids)
     regions = len(local.layout.regions)
     assert regions == 5
     assert regions < plan.num_runs < regions * len(src_ids)  # partial coalescing
     expected = [a.copy() for a in local.storage]
-    peer.block_copy(expected, peer.make_kv(seed=1), src_ids, dst_ids)
+    kvbuffers.block_copy(expected, kvbuffers.make_kv(seed=1), src_ids, dst_ids)
     assert not all(np.array_equal(e, a) for e, a in zip(expected, local.storage))
 
     handle = t.post_read(p.name, plan, b"read-1")
@@ -65,23 +65,23 @@ def test_read_random_blocks(local: Local, start_peer: Any) -> None:
     for got, want in zip(local.storage, expected):  # copied blocks right, all other bytes untouched
         np.testing.assert_array_equal(got, want)
     wait_done(t, handle, WAIT_S)
-    assert p.call("dump")[0].tobytes() == peer.make_kv(seed=1)[0].tobytes()  # source unchanged
+    assert p.call("dump")[0].tobytes() == kvbuffers.make_kv(seed=1)[0].tobytes()  # source unchanged
 
 
 def test_write_random_blocks_notif_after_data(local: Local, start_peer: Any) -> None:
     p = start_peer(seed=2)
     t = local.transport
     t.connect(p.name, p.metadata)
-    src_ids, dst_ids = random_pairs(np.random.default_rng(1), peer.SMALL_BLOCKS)
+    src_ids, dst_ids = random_pairs(np.random.default_rng(1), kvbuffers.SMALL_BLOCKS)
     plan = plan_transfer(local.layout, src_ids, p.layout, dst_ids)
     assert len(local.layout.regions) < plan.num_runs < len(local.layout.regions) * len(src_ids)
-    expected = peer.make_kv(seed=2)
-    peer.block_copy(expected, local.storage, src_ids, dst_ids)
+    expected = kvbuffers.make_kv(seed=2)
+    kvbuffers.block_copy(expected, local.storage, src_ids, dst_ids)
 
     binary = bytes(range(256))  # any bytes survive (Mooncake notifies carry text)
     wait_done(t, t.post_write(p.name, plan, binary), WAIT_S)
     digest_at_notif = p.wait_notif(t.name, binary)
-    assert digest_at_notif == peer.storage_digest(expected)  # the data had landed when the notif arrived
+    assert digest_at_notif == kvbuffers.storage_digest(expected)  # the data had landed when the notif arrived
     for got, want in zip(p.call("dump"), expected):
         np.testing.assert_array_equal(got, want)
 
@@ -94,10 +94,10 @@ def test_plan_larger_than_max_batch(start_peer: Any) -> None:
     try:
         t.connect(p.name, p.metadata)
         rng = np.random.default_rng(7)
-        src_ids = rng.permutation(peer.BIG_BLOCKS)[:2500]
-        dst_ids = rng.permutation(peer.BIG_BLOCKS)[:2500]
+        src_ids = rng.permutation(kvbuffers.BIG_BLOCKS)[:2500]
+        dst_ids = rng.permutation(kvbuffers.BIG_BLOCKS)[:2500]
         expected = [a.copy() for a in loc.storage]
-        peer.block_copy(expected, peer.make_kv(seed=5, profile="big"), src_ids, dst_ids)
+        kvbuffers.block_copy(expected, kvbuffers.make_kv(seed=5, profile="big"), src_ids, dst_ids)
         plan = plan_transfer(p.layout, src_ids, loc.layout, dst_ids)
         assert plan.num_runs > 2400
         handle = t.post_read(p.name, plan, b"big-read")
@@ -118,11 +118,11 @@ def test_plan_larger_than_max_batch(start_peer: Any) -> None:
         p.wait_notif(t.name, b"big-read")
 
         back = plan_transfer(loc.layout, dst_ids, p.layout, src_ids)  # and write them back, 3 batches too
-        want = peer.make_kv(seed=5, profile="big")
+        want = kvbuffers.make_kv(seed=5, profile="big")
         wait_done(t, t.post_write(p.name, back, b"big-write"), WAIT_S)
-        assert p.wait_notif(t.name, b"big-write") == peer.storage_digest(want)
+        assert p.wait_notif(t.name, b"big-write") == kvbuffers.storage_digest(want)
 
-        everything = plan_transfer(p.layout, np.arange(peer.BIG_BLOCKS), loc.layout, np.arange(peer.BIG_BLOCKS)[::-1])
+        everything = plan_transfer(p.layout, np.arange(kvbuffers.BIG_BLOCKS), loc.layout, np.arange(kvbuffers.BIG_BLOCKS)[::-1])
         dropped = t.post_read(p.name, everything, b"released")  # 9 batches; stops after the current one
         t.release(dropped)
         t.release(dropped)  # twice is fine too
@@ -221,9 +221,9 @@ def test_peer_killed_while_reading(start_peer: Any) -> None:
     t = loc.transport
     try:
         t.connect(p.name, p.metadata)
-        ids = np.random.default_rng(3).permutation(peer.BIG_BLOCKS)
-        plan = plan_transfer(p.layout, ids, loc.layout, np.random.default_rng(4).permutation(peer.BIG_BLOCKS))
-        assert plan.num_runs > peer.BIG_BLOCKS // 2
+        ids = np.random.default_rng(3).permutation(kvbuffers.BIG_BLOCKS)
+        plan = plan_transfer(p.layout, ids, loc.layout, np.random.default_rng(4).permutation(kvbuffers.BIG_BLOCKS))
+        assert plan.num_runs > kvbuffers.BIG_BLOCKS // 2
         killer = threading.Timer(0.3, lambda: os.kill(p.proc.pid, signal.SIGKILL))
         killer.start()
         try:
@@ -281,7 +281,7 @@ def test_reconnect_restarted_peer(local: Local, start_peer: Any) -> None:
     t.connect("p", second.metadata)
     plan = plan_transfer(second.layout, [8, 9, 30], local.layout, [5, 6, 7])
     expected = [a.copy() for a in local.storage]
-    peer.block_copy(expected, peer.make_kv(seed=12), [8, 9, 30], [5, 6, 7])
+    kvbuffers.block_copy(expected, kvbuffers.make_kv(seed=12), [8, 9, 30], [5, 6, 7])
     wait_done(t, t.post_read("p", plan, b"two"), WAIT_S)
     for got, want in zip(local.storage, expected):
         np.testing.assert_array_equal(got, want)

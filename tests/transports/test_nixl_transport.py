@@ -17,7 +17,7 @@ from kv_connectors.errors import ConfigError, PeerDisconnectedError, TransportEr
 from kv_connectors.nixl.transport import NixlTransport
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transports.base import XferState
-from kvc_testing import peers as peer
+from kvc_testing import kvbuffers
 from kvc_testing.peers import Local, Peer, PeerSpec, open_local, peer_starter
 from tests.transports.helpers import random_pairs, read_until_error, wait_done
 
@@ -44,13 +44,13 @@ def test_read_random_blocks(local: Local, start_peer: Any) -> None:
     p = start_peer(seed=1)
     t = local.transport
     t.connect(p.name, p.metadata)
-    src_ids, dst_ids = random_pairs(np.random.default_rng(0), peer.SMALL_BLOCKS)
+    src_ids, dst_ids = random_pairs(np.random.default_rng(0), kvbuffers.SMALL_BLOCKS)
     plan = plan_transfer(p.layout, src_ids, local.layout, dst_ids)
     regions = len(local.layout.regions)
     assert regions == 5
     assert regions < plan.num_runs < regions * len(src_ids)  # partial coalescing
     expected = [a.copy() for a in local.storage]
-    peer.block_copy(expected, peer.make_kv(seed=1), src_ids, dst_ids)
+    kvbuffers.block_copy(expected, kvbuffers.make_kv(seed=1), src_ids, dst_ids)
     assert not all(np.array_equal(e, a) for e, a in zip(expected, local.storage))
 
     handle = t.post_read(p.name, plan, b"read-1")
@@ -59,18 +59,18 @@ def test_read_random_blocks(local: Local, start_peer: Any) -> None:
     for got, want in zip(local.storage, expected):  # copied blocks right, all other bytes untouched
         np.testing.assert_array_equal(got, want)
     p.wait_notif(t.name, b"read-1")
-    assert p.call("dump")[0].tobytes() == peer.make_kv(seed=1)[0].tobytes()  # source unchanged
+    assert p.call("dump")[0].tobytes() == kvbuffers.make_kv(seed=1)[0].tobytes()  # source unchanged
 
 
 def test_write_random_blocks(local: Local, start_peer: Any) -> None:
     p = start_peer(seed=2)
     t = local.transport
     t.connect(p.name, p.metadata)
-    src_ids, dst_ids = random_pairs(np.random.default_rng(1), peer.SMALL_BLOCKS)
+    src_ids, dst_ids = random_pairs(np.random.default_rng(1), kvbuffers.SMALL_BLOCKS)
     plan = plan_transfer(local.layout, src_ids, p.layout, dst_ids)
     assert len(local.layout.regions) < plan.num_runs < len(local.layout.regions) * len(src_ids)
-    expected = peer.make_kv(seed=2)
-    peer.block_copy(expected, local.storage, src_ids, dst_ids)
+    expected = kvbuffers.make_kv(seed=2)
+    kvbuffers.block_copy(expected, local.storage, src_ids, dst_ids)
 
     wait_done(t, t.post_write(p.name, plan, b"write-1"), WAIT_S)
     p.wait_notif(t.name, b"write-1")  # the notif follows the data: the peer's bytes are final now
@@ -131,15 +131,15 @@ def test_peer_killed_before_read(local: Local, start_peer: Any) -> None:
 def test_peer_killed_while_reading(start_peer: Any, num_threads: int | None) -> None:
     """Default: UCX copies inside post, so the kill shows at a post; with worker threads posts
     return at once and the kill also shows in poll."""
-    storage = peer.make_kv(seed=7, profile="big")
-    layout = peer.layout_of(storage)
+    storage = kvbuffers.make_kv(seed=7, profile="big")
+    layout = kvbuffers.layout_of(storage)
     p = start_peer(seed=8, profile="big")
     with NixlTransport(f"d-big-{os.getpid()}", num_threads=num_threads) as t:
         t.register(layout)
         t.connect(p.name, p.metadata)
-        ids = np.random.default_rng(3).permutation(peer.BIG_BLOCKS)
-        plan = plan_transfer(p.layout, ids, layout, np.random.default_rng(4).permutation(peer.BIG_BLOCKS))
-        assert plan.num_runs > peer.BIG_BLOCKS // 2
+        ids = np.random.default_rng(3).permutation(kvbuffers.BIG_BLOCKS)
+        plan = plan_transfer(p.layout, ids, layout, np.random.default_rng(4).permutation(kvbuffers.BIG_BLOCKS))
+        assert plan.num_runs > kvbuffers.BIG_BLOCKS // 2
         killer = threading.Timer(0.5, lambda: os.kill(p.proc.pid, signal.SIGKILL))
         killer.start()
         try:
@@ -165,7 +165,7 @@ def test_reconnect_restarted_peer(local: Local, start_peer: Any) -> None:
     t.connect("p", second.metadata)
     plan = plan_transfer(second.layout, [8, 9, 30], local.layout, [5, 6, 7])
     expected = [a.copy() for a in local.storage]
-    peer.block_copy(expected, peer.make_kv(seed=12), [8, 9, 30], [5, 6, 7])
+    kvbuffers.block_copy(expected, kvbuffers.make_kv(seed=12), [8, 9, 30], [5, 6, 7])
     wait_done(t, t.post_read("p", plan, b"two"), WAIT_S)
     for got, want in zip(local.storage, expected):
         np.testing.assert_array_equal(got, want)

@@ -16,6 +16,7 @@ import pytest
 
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transports.base import XferState
+from kvc_testing import kvbuffers
 from kvc_testing import peers as peer
 from kvc_testing.peers import Local, PeerSpec, open_local, peer_starter
 from kvc_testing.procs import stop_process
@@ -72,7 +73,7 @@ def _stopped_read(p: Any, local: Local) -> Any:
     _wait_done(t, t.post_read(p.name, one, b""))  # the connection is up
     for a in local.storage:
         a[:] = 0
-    n = peer.BIG_BLOCKS
+    n = kvbuffers.BIG_BLOCKS
     full = plan_transfer(p.layout, list(range(n)), local.layout, list(range(n)))
     stop_process(p.proc.pid)  # stopped before the read is posted, however busy the host
     handle = t.post_read(p.name, full, b"")

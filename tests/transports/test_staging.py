@@ -17,19 +17,9 @@ from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.transports import staging
 from kv_connectors.transports.base import MemoryKind, XferState
 from kv_connectors.transports.staging import StagedTransport, StagedXfer, chunk_plan
-from kvc_testing import peers as peer
-from kvc_testing.peers import (
-    Local,
-    Peer,
-    PeerSpec,
-    block_copy,
-    layout_of,
-    open_local,
-    open_transport,
-    start_peers,
-    stop_peers,
-    storage_digest,
-)
+from kvc_testing import kvbuffers
+from kvc_testing.kvbuffers import block_copy, layout_of, storage_digest
+from kvc_testing.peers import Local, Peer, PeerSpec, open_local, open_transport, start_peers, stop_peers
 from tests.transports import helpers
 from tests.transports.helpers import bytes_covered, pick_blocks, plan_of_runs
 
@@ -39,12 +29,12 @@ WAIT_S = 20.0
 FAULT_DEADLINE_S = 8.0  # probe interval (0.5 s) + the engine's dead-peer detection (Mooncake: up to ~2 s)
 KiB, MiB = 1024, 1024 * 1024
 POOL, CHUNK = 256 * KiB, 64 * KiB  # 4 slots; a 4 MiB request is 64+ chunks
-NB = peer.STAGED_BLOCKS  # blocks; a block is 16 KiB over 4 regions (packed, K/V-split packed, padded)
+NB = kvbuffers.STAGED_BLOCKS  # blocks; a block is 16 KiB over 4 regions (packed, K/V-split packed, padded)
 _names = itertools.count()
 
 
 def kv(seed: int) -> list[np.ndarray]:
-    return peer.make_kv(seed, "staged")
+    return kvbuffers.make_kv(seed, "staged")
 
 
 def spec(kind: str, name: str, seed: int = 100, pool: int = POOL, chunk: int = CHUNK) -> PeerSpec:

@@ -9,7 +9,7 @@ import numpy as np
 
 from benchmarks.transport.bench_transport import homogeneous_counterpart, tp_shapes
 from kv_connectors.plan import BlockTable, plan_cells
-from kvc_testing.peers import bench_kv, bench_layout, check_tokens
+from kvc_testing.kvbuffers import bench_kv, bench_layout, check_tokens
 
 
 def _args(**kw) -> argparse.Namespace:
