@@ -13,6 +13,7 @@ import msgspec
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig, Staging
+from kv_connectors.consumer.producers import Producers
 from kv_connectors.consumer.ranks import Ranks
 from kv_connectors.consumer.receiver import Receiver
 from kv_connectors.consumer.renewer import Renewer
@@ -30,6 +31,7 @@ TransportFactory = Callable[[str], Transport]
 
 class Server(Protocol):
     compat_hash: str
+    port: int  # the port it listens on (the one the system picked, where asked for port 0)
 
     def close(self) -> None: ...
 
@@ -40,12 +42,14 @@ ServerFactory = Callable[[str, int, str, Callable[[wire.Body], wire.Body], int, 
 
 @dataclasses.dataclass(frozen=True)
 class Where:
-    """Who the worker is: its config, tensor-parallel rank and size, and this start's epoch."""
+    """Who the worker is: its config, tensor-parallel rank and size, this start's epoch, and its
+    engine's data-parallel index (which side-channel port it listens on: config.PortLayout)."""
 
     cfg: ConnectorConfig
     rank: int
     tp_size: int
     epoch: str
+    dp_index: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Parts:
     """A registered worker: every part built, none missing."""
 
     server: Server
+    address: str  # where peers reach this rank's side channel ("host:port")
     transport: Transport
     staging: StagedTransport | None  # the same object as transport, where the KV moves through a pool
     layout: KVLayout
@@ -82,7 +87,7 @@ def assemble(
     cfg, rank = where.cfg, where.rank
     server = serve(
         cfg.bind_host,
-        cfg.side_channel_port_for_rank(rank),
+        cfg.rank_port(rank, where.dp_index, where.tp_size),
         compat.hash(),
         handler,
         cfg.side_channel_max_msg_kib * 1024,
@@ -96,6 +101,7 @@ def assemble(
     # Both peers must move data the same way (same engine; staged or not).
     compat = msgspec.structs.replace(compat, transport=transport_label + ("+staging" if staging is not None else ""))
     compat_hash = server.compat_hash = compat.hash()
+    address = sidechannel.address(cfg.side_channel_host, server.port)
     try:
         words, scratch = _register_words(cfg, transport, layout, kind, staged=staging is not None)
         # Fixed once the memory is registered; read here so that the side-channel thread never calls
@@ -106,7 +112,7 @@ def assemble(
         transport.close()
         server.close()
         raise
-    receiver = Receiver(
+    producers = Producers(
         cfg,
         rank,
         where.tp_size,
@@ -114,10 +120,12 @@ def assemble(
         layout,
         compat,
         client=client,
-        clock=clock,
         local_metadata=local_metadata,
         scratch=scratch,
+        clock=clock,
+        address=address,
     )
+    receiver = Receiver(cfg, rank, transport, layout, producers, client=client, clock=clock, scratch=scratch)
     renewer = Renewer(cfg.engine_id, compat_hash, client, cfg.handshake_timeout_s, clock)
     ranks = Ranks(
         cfg, rank, where.tp_size, compat.num_kv_heads, layout, receiver=receiver, renewer=renewer, client=client, clock=clock
@@ -143,7 +151,7 @@ def assemble(
         layout.cells or "whole blocks only",
         compat_hash,
     )
-    return Parts(server, transport, staging, layout, compat, compat_hash, receiver, ranks, renewer, sender)
+    return Parts(server, address, transport, staging, layout, compat, compat_hash, receiver, ranks, renewer, sender)
 
 
 def _register_words(

@@ -157,12 +157,18 @@ def check_transfer_config(
     return Checked(kind, cfg, version, tuple(notes + unused_keys(kind, cfg.role, extra)))
 
 
-def host_problems(kind: str, cfg: ConnectorConfig, ranks: int = 1) -> list[str]:
-    """What this host lacks for the configuration: side-channel ports that cannot be bound now, RDMA
-    devices for Mooncake's rdma protocol, an engine_cpus list naming no CPU this process may use."""
+def host_problems(kind: str, cfg: ConnectorConfig, ranks: int = 1, engines: int = 1) -> list[str]:
+    """What this host lacks for the configuration: side-channel ports that cannot be bound now (of
+    `ranks` TP ranks in each of `engines` data-parallel engines; ports the system picks are not
+    checked), RDMA devices for Mooncake's rdma protocol, an engine_cpus list naming no CPU this
+    process may use."""
+    if ranks < 1 or engines < 1:
+        return [f"tensor- and data-parallel sizes must be >= 1, got {ranks} and {engines}"]
     problems = []
-    for rank in range(ranks):
-        port = cfg.side_channel_port_for_rank(rank)
+    ports = sorted({cfg.rank_port(rank, dp, ranks) for dp in range(engines) for rank in range(ranks)} - {0})
+    if ports[-1] > 65535:
+        return [f"side_channel_port {cfg.side_channel_port} leaves no room for {engines} x {ranks} ranks (port {ports[-1]})"]
+    for port in ports:
         with socket.socket(socket.AF_INET6 if ":" in cfg.bind_host else socket.AF_INET) as s:
             try:
                 s.bind((cfg.bind_host, port))

@@ -31,7 +31,7 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail(args, str(e))
     cfg = checked.config
-    problems = checks.host_problems(checked.kind, cfg, args.tensor_parallel_size) if args.here else []
+    problems = checks.host_problems(checked.kind, cfg, args.tensor_parallel_size, args.data_parallel_size) if args.here else []
     if problems:
         return _fail(args, "; ".join(problems))
     summary: dict[str, Any] = {
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="the --kv-transfer-config JSON, as given to vLLM")
     check.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="as given to vLLM")
     check.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="as given to vLLM")
+    check.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="as given to vLLM (--here: its ports)")
     check.add_argument("--here", action="store_true", help="also check this host: free side-channel port(s), RDMA devices")
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.set_defaults(run=_check_config)

@@ -33,6 +33,18 @@ class Staging(enum.Enum):
     OFF = "off"
 
 
+class PortLayout(enum.Enum):
+    """Where an instance's side channels listen (`side_channel_ports`).
+
+    INSTANCE (vLLM's built-in layout): one port per instance, `side_channel_port` plus the
+    data-parallel index; tensor-parallel rank 0 listens there and names the others, which listen on
+    ports the system picks. RANK: every rank on a port known in advance (firewalls that open
+    ports one by one): rank r of data-parallel engine d at `side_channel_port + d * TP + r`."""
+
+    INSTANCE = "instance"
+    RANK = "rank"
+
+
 class Role(enum.Enum):
     """The instance's part in disaggregation (vLLM's kv_role)."""
 
@@ -57,6 +69,7 @@ class ConnectorConfig:
     role: Role
     side_channel_host: str = "127.0.0.1"  # what P advertises to D (and binds, unless side_channel_bind_host)
     side_channel_port: int = 5710
+    side_channel_ports: PortLayout = PortLayout.INSTANCE
     side_channel_bind_host: str = ""  # e.g. "0.0.0.0" on a multi-host set-up; "" binds side_channel_host
     side_channel_max_msg_kib: int = 16 * 1024  # larger frames are dropped unread (ZMQ_MAXMSGSIZE)
     # Shared-secret authentication of side-channel messages (HMAC-SHA256): the name of an environment
@@ -98,9 +111,27 @@ class ConnectorConfig:
     def bind_host(self) -> str:
         return self.side_channel_bind_host or self.side_channel_host
 
-    def side_channel_port_for_rank(self, rank: int) -> int:
-        """Each tensor-parallel worker listens on base port + rank (peers find rank r there too)."""
-        return self.side_channel_port + rank
+    def instance_port(self, dp_index: int = 0, tp_size: int = 1) -> int:
+        """The port an instance's params name (its rank 0 listens there): see PortLayout."""
+        if self.side_channel_ports is PortLayout.RANK:
+            return self.side_channel_port + dp_index * tp_size
+        return self.side_channel_port + dp_index
+
+    def rank_port(self, rank: int, dp_index: int = 0, tp_size: int = 1) -> int:
+        """Where tensor-parallel rank `rank` listens; 0: a free port the system picks (PortLayout)."""
+        if rank == 0 or self.side_channel_ports is PortLayout.RANK:
+            return self.instance_port(dp_index, tp_size) + rank
+        return 0
+
+    def check_ports(self, dp_index: int, tp_size: int) -> None:
+        """The ports of this instance's ranks exist (a ConfigError naming the keys otherwise)."""
+        last = self.rank_port(tp_size - 1, dp_index, tp_size) or self.instance_port(dp_index, tp_size)
+        if last > 65535:
+            raise ConfigError(
+                f"side_channel_port {self.side_channel_port} leaves no room for data-parallel index {dp_index} "
+                f"at tensor_parallel_size {tp_size} ({self.side_channel_ports.value} layout: port {last}): "
+                "choose a lower side_channel_port"
+            )
 
 
 # Keys users may set in kv_connector_extra_config, with their checker.
@@ -177,6 +208,7 @@ def _mode(key: str, value: Any) -> TransferMode:
 _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
     "side_channel_host": _host,
     "side_channel_port": _port,
+    "side_channel_ports": lambda key, value: PortLayout(_choice(tuple(m.value for m in PortLayout))(key, value)),
     "side_channel_bind_host": _host,
     "side_channel_max_msg_kib": _positive_int,
     "side_channel_secret_env": _string,

@@ -32,9 +32,29 @@ _LISTEN_PROBE_S = 1.0
 DEFAULT_MAX_MSG_BYTES = 16 * 1024 * 1024  # far above any legitimate message (handshakes are KiBs)
 
 
-def endpoint(host: str, port: int) -> str:
+def endpoint(host: str, port: int | str) -> str:
     host = f"[{host}]" if ":" in host else host
     return f"tcp://{host}:{port}"
+
+
+def address(host: str, port: int) -> str:
+    """A side channel's address as peers are told it ("host:port", "[v6]:port")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_MAX_ADDRESS_CHARS = 300
+
+
+def parse_address(text: object) -> tuple[str, int]:
+    """(host, port) of an address a peer sent (`address`'s form): checked, never trusted."""
+    if not isinstance(text, str) or not 0 < len(text) <= _MAX_ADDRESS_CHARS:
+        raise KVConnectorError(f"not a side-channel address: {str(text)[:80]!r}")
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or any(c in host for c in "[]/ "):
+        raise KVConnectorError(f"not a side-channel address: {text[:80]!r}")
+    return host, int(port)
 
 
 def answer(data: bytes, compat_hash: str, handler: Handler, secret: bytes | None = None) -> bytes:
@@ -88,9 +108,11 @@ class SideChannelServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)
-        self.address = endpoint(host, port)
+        self.address = endpoint(host, port or "*")  # port 0: one the system picks
         try:
             self._sock.bind(self.address)
+            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.port = int(self.address.rsplit(":", 1)[1])
         except zmq.ZMQError as e:
             self._sock.close(0)
             self._ctx.term()

@@ -6,13 +6,14 @@ from kv_connectors import wire
 from kv_connectors.assembly import Parts, Where
 
 
-def snapshot(where: Where, parts: Parts, idle_steps: int) -> wire.StatsReply:
+def snapshot(where: Where, parts: Parts, idle_steps: int, directory: tuple[str, ...] = ()) -> wire.StatsReply:
     t, leases, sender = parts.receiver.totals, parts.sender.leases, parts.sender
     settling, quarantined, quarantined_bytes = parts.receiver.settling()
     return wire.StatsReply(
         engine_id=where.cfg.engine_id,
         rank=where.rank,
         tp_size=where.tp_size,
+        ranks=directory,
         held_requests=leases.held_requests,
         held_blocks=leases.held_blocks,
         completed_sends=leases.completed,

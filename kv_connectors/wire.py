@@ -182,6 +182,7 @@ class StatsReply(Counters, frozen=True, tag="stats_reply", kw_only=True):
     engine_id: str
     rank: int = 0  # the answering worker's tensor-parallel rank and size (any rank answers: a D
     tp_size: int = 1  # that does not know P's TP size asks P's rank 0 this way)
+    ranks: tuple[str, ...] = ()  # each rank's side channel by rank ("host:port"); (): at port + rank
 
 
 class ErrorCode(str, enum.Enum):

@@ -13,6 +13,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
+import msgspec
+
 from kv_connectors import sidechannel, wire
 from kv_connectors.assembly import Parts, ServerFactory, TransportFactory, Where, assemble
 from kv_connectors.config import ConnectorConfig
@@ -79,12 +81,15 @@ class WorkerEngine:
         client: sidechannel.Client | None = None,
         clock: Callable[[], float] = time.monotonic,
         tp_size: int = 1,
+        dp_index: int = 0,
         idle_wait: Callable[[float], bool] | None = None,
     ) -> None:
-        """idle_wait: the blocking wait of an empty step (kv_connectors.idle; tests record it)."""
+        """idle_wait: the blocking wait of an empty step (kv_connectors.idle; tests record it).
+        dp_index: the data-parallel index of this worker's engine (its side-channel ports)."""
         self._cfg = cfg
+        cfg.check_ports(dp_index, tp_size)
         self.epoch = uuid.uuid4().hex[:16]  # this start of the engine: peers tell restarts apart by it
-        self._where = Where(cfg, rank, tp_size, self.epoch)
+        self._where = Where(cfg, rank, tp_size, self.epoch, dp_index)
         self._serve = serve
         self._make_transport = make_transport
         self._transport_label = transport_label
@@ -98,6 +103,7 @@ class WorkerEngine:
         self._last_progress = float("-inf")  # when the engine last advanced (_skips_step)
         self._step_did_work = True  # this step's start_load ingested or advanced something
         self._stats = wire.StatsReply(engine_id=cfg.engine_id, rank=rank, tp_size=tp_size)
+        self._directory: tuple[str, ...] = ()  # every rank's side-channel address (set_directory)
         self._notices: list[wire.TransferDone] = []  # for the sender, collected between results
 
     @property
@@ -135,6 +141,19 @@ class WorkerEngine:
             client=self._client,
             clock=self._clock,
         )
+
+    @property
+    def address(self) -> str:
+        """Where peers reach this rank's side channel ("host:port"; KVConnectorError before register)."""
+        return self.parts.address
+
+    def set_directory(self, addresses: Sequence[str]) -> None:
+        """Every rank's side-channel address, by rank (the adapter gathers them over the TP group once
+        registered): rank 0 names the others to a peer that asks (config.PortLayout)."""
+        if len(addresses) != self._where.tp_size or addresses[self.rank] != self.address:
+            raise KVConnectorError(f"rank {self.rank} of {self._where.tp_size} was given side channels {list(addresses)}")
+        self._directory = tuple(addresses)
+        self._stats = msgspec.structs.replace(self._stats, ranks=self._directory)
 
     def _handle_and_wake(self, body: wire.Body) -> wire.Body:
         """Side-channel requests (server thread); what the engine acts on ends its idle wait."""
@@ -257,7 +276,8 @@ class WorkerEngine:
         notices, self._notices = self._notices, []
         sending = parts.sender.take_finished(notices)
         recving, failed = parts.receiver.take_finished()
-        self._stats = snapshot(self._where, parts, self._idle_steps)
+        parts.ranks.ended(recving, failed)
+        self._stats = snapshot(self._where, parts, self._idle_steps, self._directory)
         return sending, recving, failed
 
     def _pause(self, parts: Parts) -> None:

@@ -64,18 +64,23 @@ def pd_server(
     extra_config: Mapping[str, Any] | None = None,
     transfer_config: Mapping[str, Any] | None = None,
     tp: int = 1,
+    dp: int = 1,
     **server_kwargs: Any,
 ) -> VllmServer:
     """A vLLM server with our connector (not started). transfer_config: vLLM's own kv-transfer-config
     keys (e.g. {"kv_load_failure_policy": "recompute"}); extra_config: ours. tp > 1: that many
-    tensor-parallel ranks, one core each (worker processes; side channels on port + rank)."""
-    port = side_channel_port or (free_port() if tp == 1 else free_port_range(tp))
+    tensor-parallel ranks, one core each (worker processes; rank 0's side channel names the others');
+    dp > 1: that many data-parallel engines (engine d's side channel on port + d)."""
+    port = side_channel_port or (free_port() if dp == 1 else free_port_range(dp))
     ktc = kv_transfer_config(role, port, form=form, top_level=transfer_config, **dict(extra_config or {}))
     args = ["--kv-transfer-config", ktc]
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp)]
+    if dp > 1:
+        args += ["--data-parallel-size", str(dp)]
+    if tp > 1 or dp > 1:
         server_kwargs["multiprocessing"] = True
-        cpu_bind = cpu_bind if cpu_bind is not None else "|".join(str(r % 2) for r in range(tp))
+        cpu_bind = cpu_bind if cpu_bind is not None else "|".join(str(r % 2) for r in range(tp * dp))
     server = VllmServer(
         model,
         extra_args=args,
@@ -188,9 +193,16 @@ def transfer_id_params(prefill_server: VllmServer, transfer_id: str | None = Non
     return p_params, d_params
 
 
-def stats(server: VllmServer, timeout_s: float = 5.0, rank: int = 0) -> wire.StatsReply:
-    """Our connector's counters on one server's tensor-parallel rank (via that rank's side channel)."""
-    return sidechannel.query_stats("127.0.0.1", server.side_channel_port + rank, timeout_s)  # type: ignore[attr-defined]
+def stats(server: VllmServer, timeout_s: float = 5.0, rank: int = 0, dp: int = 0) -> wire.StatsReply:
+    """Our connector's counters on one server's tensor-parallel rank of data-parallel engine `dp`
+    (via that rank's side channel: rank 0 names the others, config.PortLayout)."""
+    first = sidechannel.query_stats("127.0.0.1", server.side_channel_port + dp, timeout_s)  # type: ignore[attr-defined]
+    if rank == 0:
+        return first
+    if not first.ranks:  # a server in the rank layout, or an older version: rank r at port + r
+        return sidechannel.query_stats("127.0.0.1", server.side_channel_port + dp * first.tp_size + rank, timeout_s)  # type: ignore[attr-defined]
+    host, port = sidechannel.parse_address(first.ranks[rank])
+    return sidechannel.query_stats(host, port, timeout_s)
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> Any:

@@ -66,8 +66,9 @@ def free_ports(n: int) -> list[int]:
 
 
 def free_port_range(n: int) -> int:
-    """The first of `n` consecutive ports free on 127.0.0.1 now (a tensor-parallel instance's side
-    channels: base port + rank), below the kernel's ephemeral range like free_ports."""
+    """The first of `n` consecutive ports free on 127.0.0.1 now (a data-parallel instance's side
+    channels: base port + DP index; or every rank's in the rank layout), below the kernel's
+    ephemeral range like free_ports."""
     high = _ephemeral_low() - n
     for _ in range(10_000):
         base = _ports.randint(10_000, high)

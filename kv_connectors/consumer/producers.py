@@ -66,6 +66,7 @@ class Producers:
         local_metadata: bytes,
         scratch: LeaseWords | None,
         clock: Callable[[], float] = time.monotonic,
+        address: str = "",
     ) -> None:
         self._cfg = cfg
         self._clock = clock
@@ -77,6 +78,7 @@ class Producers:
         self._client = client
         self._local_metadata = local_metadata
         self._scratch = scratch
+        self._address = address  # ours, told to producers (a new agent from it replaces the old one)
         self._peers: dict[PeerKey, Producer] = {}
         self._expected: dict[PeerKey, tuple[int, int]] = {}  # the (rank, TP size) a producer must answer as
 
@@ -106,7 +108,7 @@ class Producers:
             agent_metadata=self._local_metadata,
             layout=wire.LayoutMsg.from_layout(self._layout),
             tp_size=self._tp_size,
-            address=f"{self._cfg.side_channel_host}:{self._cfg.side_channel_port_for_rank(self._rank)}",
+            address=self._address,
         )
         peer = Producer(None, asked_at=self._clock())
         future = self.submit(key, request)

@@ -4,6 +4,7 @@ decode rank, asking P its TP size where the params do not state it (the transfer
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -19,17 +20,46 @@ from kv_connectors.specs import RecvSpec, StepMetadata
 
 logger = logging.getLogger(__name__)
 _limited = RateLimitedLog(logger)
-_P_TP_TTL_S = 60.0  # how long a producer's TP size, asked once, is trusted (a restart may change it)
+# How long what a producer said of its ranks (asked once) is trusted: a restart may change its TP
+# size and the ports its ranks > 0 listen on (a failed load of it forgets them sooner).
+_P_RANKS_TTL_S = 60.0
+_Where = tuple[str, int]  # a producer instance's side channel: its rank 0's (host, port)
 
 
 def rank_key(peer_key: PeerKey, p_rank: int) -> PeerKey:
-    """P rank p_rank's side channel: the params name P's rank 0; rank r listens at port + r."""
+    """P rank p_rank's side channel where P did not name its ranks (an older version): port + r."""
     engine, host, port = peer_key
     return (engine, host, port + p_rank)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProducerRanks:
+    """What a producer instance's rank 0 said of its ranks (a StatsReply), checked."""
+
+    tp_size: int
+    addresses: tuple[tuple[str, int], ...]  # each rank's side channel; (): rank r at port + r
+    asked_at: float
+
+    @classmethod
+    def of(cls, reply: wire.Body, now: float) -> ProducerRanks:
+        if not isinstance(reply, wire.StatsReply) or reply.tp_size < 1:
+            raise KVConnectorError(f"unexpected answer {type(reply).__name__}")
+        if reply.ranks and len(reply.ranks) != reply.tp_size:
+            raise KVConnectorError(f"it named {len(reply.ranks)} side channels for {reply.tp_size} ranks")
+        return cls(reply.tp_size, tuple(sidechannel.parse_address(a) for a in reply.ranks), now)
+
+    def key(self, peer_key: PeerKey, p_rank: int) -> PeerKey:
+        if p_rank == 0 or not self.addresses:
+            return rank_key(peer_key, p_rank)
+        if p_rank >= len(self.addresses):
+            raise TransferParamsError(f"the producer at {peer_key[1]}:{peer_key[2]} has no rank {p_rank}")
+        return (peer_key[0], *self.addresses[p_rank])
+
+
 class Ranks:
-    """Turns the scheduler's loads, releases and heartbeats into tasks per producer rank."""
+    """Turns the scheduler's loads, releases and heartbeats into tasks per producer rank. A
+    producer's rank 0 is at the address its params name; where a load reads other ranks (or P's TP
+    size is not stated: the transfer-id flow), rank 0 is asked first where they are (config.PortLayout)."""
 
     def __init__(
         self,
@@ -52,41 +82,56 @@ class Ranks:
         self._client = client
         self._clock = clock
         self._renewing: dict[str, list[str]] = {}  # request id -> its renewals (one per P rank read)
-        # P's TP size where the params do not state it (transfer-id flow), asked of P's rank 0 (a
-        # stats request any rank answers) and kept _P_TP_TTL_S: (host, base port) -> (size, when).
-        self._p_tp: dict[tuple[str, int], tuple[int, float]] = {}
-        self._probes: dict[tuple[str, int], tuple[concurrent.futures.Future[wire.Body], float]] = {}  # and deadline
-        self._deferred: list[tuple[str, RecvSpec]] = []  # loads waiting for their P's TP size
+        self._known: dict[_Where, ProducerRanks] = {}
+        self._probes: dict[_Where, tuple[concurrent.futures.Future[wire.Body], float]] = {}  # and deadline
+        self._deferred: list[tuple[str, RecvSpec]] = []  # loads waiting for their P's ranks
+        self._deferred_renewals: list[tuple[str, tuple[PeerKey, str, int | None]]] = []
+        self._loads: dict[str, _Where] = {}  # load -> its producer: a failed one forgets what P said
 
     def busy(self) -> bool:
-        return bool(self._deferred or self._probes)
+        return bool(self._deferred or self._deferred_renewals or self._probes)
 
     def awaiting(self) -> bool:
-        """A producer's TP size is being asked (its answer wakes the engine)."""
+        """A producer's ranks are being asked (its answer wakes the engine)."""
         return bool(self._probes)
 
     def take(self, meta: StepMetadata) -> None:
         """The step's heartbeats, loads and releases, and the loads the scheduler failed."""
-        for rid, (peer, key, p_tp) in meta.renew_start.items():
-            try:
-                subs = self._sources(rid, p_tp or self._known_tp(peer))
-            except KVConnectorError:
-                continue  # a TP combination that cannot be served: its load fails when scheduled
-            self._renewing[rid] = [sub for sub, _ in subs]
-            for sub, (p_rank, _) in subs:
-                self._renewer.start(sub, rank_key(peer, p_rank), key)
+        for rid, renewal in meta.renew_start.items():
+            self._start_renewals(rid, renewal)
         for rid in meta.renew_stop:
+            self._deferred_renewals = [(r, renewal) for r, renewal in self._deferred_renewals if r != rid]
             for sub in self._renewing.pop(rid, [rid]):
                 self._renewer.stop(sub)
         for rid, spec in meta.reqs_to_recv.items():
-            p_tp = spec.remote_tp_size or self._known_tp(spec.peer_key)
-            if p_tp is None and spec.report:
-                self._ask_tp(spec.peer_key)
+            if self._needs_asking(spec.peer_key, spec.remote_tp_size, must_know_tp=spec.report):
                 self._deferred.append((rid, spec))
-                continue
-            self._add_load(rid, spec, p_tp)
+            else:
+                self._add_load(rid, spec, spec.remote_tp_size or self._known_tp(spec.peer_key))
         for rid, reason in meta.reqs_failed.items():
             self._fail_load(rid, FailReason.BAD_PARAMS, reason)
+
+    def ended(self, finished: set[str], failed: set[str]) -> None:
+        """Loads reported to vLLM: what a failed one's producer said of its ranks is asked again
+        (it may have restarted, its ranks > 0 on other ports)."""
+        for rid in finished | failed:
+            where = self._loads.pop(rid, None)
+            if where is not None and rid in failed:
+                self._known.pop(where, None)
+
+    def _start_renewals(self, rid: str, renewal: tuple[PeerKey, str, int | None], *, asked: bool = False) -> None:
+        peer, key, p_tp = renewal
+        if not asked and self._needs_asking(peer, p_tp, must_know_tp=False):
+            self._deferred_renewals.append((rid, renewal))
+            return
+        try:
+            subs = self._sources(rid, p_tp or self._known_tp(peer))
+            keys = [(sub, self._key(peer, p_rank)) for sub, (p_rank, _) in subs]
+        except KVConnectorError:
+            return  # a TP combination that cannot be served (its load fails when scheduled), or P unknown
+        self._renewing[rid] = [sub for sub, _ in keys]
+        for sub, producer in keys:
+            self._renewer.start(sub, producer, key)
 
     def _fail_load(self, rid: str, reason: FailReason, message: str) -> None:
         """A load that fails before it reaches any producer: reported failed at the next results."""
@@ -94,18 +139,48 @@ class Ranks:
         task.fail(reason, message)
         self._receiver.add(task)
 
-    def _known_tp(self, peer_key: PeerKey) -> int | None:
-        known = self._p_tp.get(peer_key[1:])
-        return known[0] if known is not None and self._clock() - known[1] < _P_TP_TTL_S else None
+    def _fresh(self, peer_key: PeerKey) -> ProducerRanks | None:
+        known = self._known.get(peer_key[1:])
+        return known if known is not None and self._clock() - known.asked_at < _P_RANKS_TTL_S else None
 
-    def _ask_tp(self, peer_key: PeerKey) -> None:
+    def _known_tp(self, peer_key: PeerKey) -> int | None:
+        known = self._fresh(peer_key)
+        return known.tp_size if known is not None else None
+
+    def _key(self, peer_key: PeerKey, p_rank: int) -> PeerKey:
+        """P rank p_rank's side channel (KVConnectorError where P has not said where it is)."""
+        if p_rank == 0:
+            return peer_key
+        known = self._fresh(peer_key)
+        if known is None:
+            raise KVConnectorError(f"the producer at {peer_key[1]}:{peer_key[2]} did not say where its rank {p_rank} is")
+        return known.key(peer_key, p_rank)
+
+    def _needs_asking(self, peer_key: PeerKey, p_tp: int | None, *, must_know_tp: bool) -> bool:
+        """P's rank 0 must first say its TP size (where not stated and a load needs it) or where
+        the ranks this rank reads are: asked (once at a time) where so."""
+        if self._fresh(peer_key) is not None:
+            return False
+        tp = p_tp or self._tp_size
+        if (p_tp is None and must_know_tp) or self._reads_beyond_rank0(tp):
+            self._ask(peer_key)
+            return True
+        return False
+
+    def _reads_beyond_rank0(self, p_tp: int) -> bool:
+        try:
+            return any(p_rank != 0 for _, (p_rank, _) in self._sources("", p_tp))
+        except KVConnectorError:
+            return False  # refused when the load is added
+
+    def _ask(self, peer_key: PeerKey) -> None:
         where = peer_key[1:]
         if where not in self._probes:
             timeout = self._cfg.handshake_timeout_s
             self._probes[where] = (self._client.submit(*where, wire.StatsRequest(), "", timeout), self._clock() + timeout)
 
     def resolve(self) -> None:
-        """Loads waiting for their P's TP size: planned once P's rank 0 said it, failed if it did not."""
+        """Loads and heartbeats waiting for their P's ranks: added once P's rank 0 said them, failed if it did not."""
         if not self.busy():
             return
         for where, (future, deadline) in list(self._probes.items()):
@@ -113,26 +188,31 @@ class Ranks:
                 if self._clock() > deadline:  # a frozen producer: its answer would come too late
                     future.cancel()
                     del self._probes[where]
-                    logger.error("the producer at %s:%d did not say its tensor-parallel size in time", *where)
+                    logger.error("the producer at %s:%d did not say its tensor-parallel ranks in time", *where)
                 continue
             del self._probes[where]
             try:
-                reply = future.result()
-                if not isinstance(reply, wire.StatsReply) or reply.tp_size < 1:
-                    raise KVConnectorError(f"unexpected answer {type(reply).__name__}")
-                self._p_tp[where] = (reply.tp_size, self._clock())
+                self._known[where] = ProducerRanks.of(future.result(), self._clock())
             except Exception as e:  # boundary: the loads waiting on it fail, never the step
-                logger.error("could not ask the producer at %s:%d its tensor-parallel size: %s", *where, e)
+                logger.error("could not ask the producer at %s:%d its tensor-parallel ranks: %s", *where, e)
         waiting, self._deferred = self._deferred, []
         for rid, spec in waiting:
             where = spec.peer_key[1:]
             if where in self._probes:
                 self._deferred.append((rid, spec))
-            elif (p_tp := self._known_tp(spec.peer_key)) is not None:
-                self._add_load(rid, spec, p_tp)
-            else:
-                why = f"the producer at {where[0]}:{where[1]} did not say its tensor-parallel size"
+            elif (known := self._fresh(spec.peer_key)) is not None:
+                self._add_load(rid, spec, spec.remote_tp_size or known.tp_size)
+            elif spec.report:
+                why = f"the producer at {where[0]}:{where[1]} did not say its tensor-parallel ranks"
                 self._fail_load(rid, FailReason.HANDSHAKE, why)
+            else:
+                _limited.warning("release", "request %s: the producer at %s:%d did not say where its ranks are", rid, *where)
+        renewals, self._deferred_renewals = self._deferred_renewals, []
+        for rid, renewal in renewals:
+            if renewal[0][1:] in self._probes:
+                self._deferred_renewals.append((rid, renewal))
+            else:
+                self._start_renewals(rid, renewal, asked=True)
 
     def _add_load(self, rid: str, spec: RecvSpec, p_tp: int | None) -> None:
         """One receive task per P rank holding this rank's heads."""
@@ -142,20 +222,23 @@ class Ranks:
             sources = self._sources(rid, p_tp)
             if len(sources) > 1 or sources[0][1][1] != self._tp_size:
                 self._check_heterogeneous(p_tp)
+            peers = [self._key(spec.peer_key, p_rank) for _, (p_rank, _) in sources]
         except KVConnectorError as e:
             if spec.report:
                 self._fail_load(rid, FailReason.BAD_PARAMS, str(e))
             else:  # a release (vLLM is done with the request): not a load, never reported
                 _limited.warning("release", "request %s: cannot tell the producer to free its blocks: %s", rid, e)
             return
-        for sub, (p_rank, src_tp) in sources:
+        if spec.report:
+            self._loads[rid] = spec.peer_key[1:]
+        for (sub, (p_rank, src_tp)), peer in zip(sources, peers):
             self._receiver.add(
                 RecvTask(
                     request_id=sub,
                     spec=spec,
                     deadline=deadline,
                     kind=RecvKind.LOAD if spec.report else RecvKind.RELEASE,
-                    peer=rank_key(spec.peer_key, p_rank),
+                    peer=peer,
                     remote_rank=p_rank,
                     remote_tp_size=src_tp,
                     group=rid if len(sources) > 1 else "",

@@ -58,14 +58,12 @@ class Receiver:
         self,
         cfg: ConnectorConfig,
         rank: int,
-        tp_size: int,
         transport: Transport,
         layout: KVLayout,
-        compat: wire.CompatInfo,
+        producers: Producers,
         *,
         client: sidechannel.Client,
         clock: Callable[[], float],
-        local_metadata: bytes,  # the transport's, read once at registration
         scratch: LeaseWords | None = None,  # where producers' lease words are read to (None: always claim)
     ) -> None:
         self._cfg = cfg
@@ -73,19 +71,8 @@ class Receiver:
         self._clock = clock
         self._transport = transport
         self._layout = layout
-        self._hash = compat.hash()
-        self.producers = Producers(
-            cfg,
-            rank,
-            tp_size,
-            transport,
-            layout,
-            compat,
-            client=client,
-            local_metadata=local_metadata,
-            scratch=scratch,
-            clock=clock,
-        )
+        self._hash = producers.hash
+        self.producers = producers
         self._pull = Pull(
             cfg,
             rank,

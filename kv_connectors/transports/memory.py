@@ -28,6 +28,9 @@ from kv_connectors.transports.intervals import Ranges
 Handler = Callable[[wire.Body], wire.Body]
 
 
+_PICKED_PORTS = 40000  # where ports the fabric picks (serve on port 0) begin
+
+
 class MemoryFabric:
     """What connects in-process peers: their transports by name, their side channels by address.
 
@@ -54,6 +57,7 @@ class MemoryFabric:
         self.dead: set[str] = set()
         self.requests: list[wire.Body] = []  # every side-channel request, in order (tests count them)
         self.forgotten: list[tuple[str, int]] = []  # side-channel addresses a client forgot
+        self.picked_ports = 0  # side channels served on port 0 so far
 
     # side channel -------------------------------------------------------------------------------
     def serve(
@@ -65,7 +69,11 @@ class MemoryFabric:
         max_msg_bytes: int = 0,
         secret: bytes | None = None,
     ) -> MemoryServer:
-        """max_msg_bytes and secret are the zmq server's business; the fabric ignores them."""
+        """max_msg_bytes and secret are the zmq server's business; the fabric ignores them. Port 0:
+        one above 40000 that no server had before (as the system picks one for a real socket)."""
+        if port == 0:  # never one picked before: a restarted peer's old port is not its new one
+            self.picked_ports += 1
+            port = _PICKED_PORTS + self.picked_ports
         if (host, port) in self.servers:
             raise SideChannelBindError(f"side channel {host}:{port} is in use")
         server = MemoryServer(self, host, port, compat_hash, handler)
@@ -186,6 +194,10 @@ class MemoryTransport:
         self._inbox: list[tuple[str, bytes]] = []
         self._closed = False
         self.posted = 0
+        for agent in fabric.agents.values():  # a new process under a known name: links to the old one are dead
+            if name in agent._peers:
+                agent._broken.add(name)
+                agent._link[name] = agent._link.get(name, 0) + 1
         fabric.agents[name] = self
 
     def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:

@@ -191,3 +191,25 @@ __all__ = [
     "uses_mla",
     "warn_if_untested",
 ]
+
+
+def data_parallel_index(parallel_config: Any) -> int:
+    """This engine's data-parallel index, which the built-in adds to its side-channel port (0.32 and
+    0.33 set data_parallel_index on every engine, dense models included; data_parallel_rank before)."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel_config, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
+def tp_all_gather(value: str, tp_size: int) -> list[str]:
+    """Every tensor-parallel rank's `value`, by rank, over the TP group's CPU (gloo) group: called by
+    every rank at once (vLLM registers each rank's KV cache in one collective call)."""
+    if tp_size == 1:
+        return [value]
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    out: list[Any] = [None] * tp_size
+    dist.all_gather_object(out, value, group=get_tp_group().cpu_group)
+    return [str(v) for v in out]

@@ -138,26 +138,31 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         # The worker's rank in its TP group (parallel_config.rank counts TP ranks first).
         rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0) % tp_size
+        dp_index = compat.data_parallel_index(vllm_config.parallel_config)
+        self._cfg.check_ports(dp_index, tp_size)
+        self._tp_size = tp_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._kv_device: torch.device | None = None  # the KV cache's GPU, once registered (None: host memory)
         if role == compat.KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.side_channel_port_for_rank(0), tp_size=tp_size)
+            self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.instance_port(dp_index, tp_size), tp_size=tp_size)
         else:
             # On the thread vLLM creates us on (the engine's), before it starts its output threads.
             device_type = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
             affinity.apply(self._cfg.engine_cpus, str(device_type or ""))
-            self._worker = WorkerSide(self._cfg, rank, self.make_transport, self.transport_name, tp_size=tp_size)
+            self._worker = WorkerSide(self._cfg, rank, self.make_transport, self.transport_name, tp_size=tp_size, dp_index=dp_index)
         logger.info(
-            "%s (%s) role=%s engine=%s rank %d of %d side channel %s:%d",
+            "%s (%s) role=%s engine=%s rank %d of %d (data-parallel index %d), side channel %s:%d (%s layout)",
             type(self).__name__,
             self.transport_name,
             self._cfg.role.value,
             self._cfg.engine_id,
             rank,
             tp_size,
+            dp_index,
             self._cfg.side_channel_host,
-            self._cfg.side_channel_port_for_rank(rank),
+            self._cfg.instance_port(dp_index, tp_size),
+            self._cfg.side_channel_ports.value,
         )
 
     @classmethod
@@ -216,6 +221,8 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
         self._kv_device = None if on_cpu else first.device  # writes from it wait for its kernels (device.py)
         self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))
+        # Rank 0 names the others' side channels to peers (config.PortLayout): every rank's, gathered.
+        self.worker_side.set_directory(compat.tp_all_gather(self.worker_side.address, self._tp_size))
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Called before the forward pass (vLLM starts asynchronous loads only after it): the one

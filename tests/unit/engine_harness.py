@@ -21,7 +21,7 @@ NUM_BLOCKS = 16
 BLOCK_SIZE = 4
 BLOCK_WORDS = 64  # float32 words per block per region
 CELL_WORDS = 8  # with heads: float32 words of one token of one head
-P_PORT, D_PORT, D2_PORT = 7001, 7011, 7021  # apart: a TP rank r listens on port + r
+P_PORT, D_PORT, D2_PORT = 7001, 7011, 7021  # apart: a TP rank r listens on port + r in the rank layout
 # D claims every read (no lease words): the tests of the claim path itself.
 CLAIM_ONLY = {"lease_words": False}
 
@@ -160,6 +160,7 @@ class Cluster:
         tokens per block (with heads only, where they differ)."""
         self.heads = heads
         self.block = {"kv_producer": p_block, "kv_consumer": d_block}
+        self._ranks: dict[tuple[str, int], dict[int, WorkerEngine]] = {}  # each instance's ranks so far
         self.clock = FakeClock()
         self.fabric = MemoryFabric(self.clock, aborting=aborting)  # aborting: release() stops a transfer (no real engine does)
         self.p = self._node(
@@ -223,7 +224,19 @@ class Cluster:
         engine.register(layout, compat, layer_regions={"layer.0": (0,), "layer.1": (1,)})
         node = Node(engine, kv, made[-1], client)
         owner.append(node)
+        self._gather(engine_id, port, rank, tp_size, engine)
         return node
+
+    def _gather(self, engine_id: str, port: int, rank: int, tp_size: int, engine: WorkerEngine) -> None:
+        """What the adapter's gather over the TP group does: once every rank of an instance is
+        registered, each is given every rank's side-channel address (ranks > 0 listen where the
+        fabric picked, as the system picks a port: config.PortLayout)."""
+        ranks = self._ranks.setdefault((engine_id, port), {})
+        ranks[rank] = engine
+        if sorted(ranks) == list(range(tp_size)):
+            addresses = [ranks[r].address for r in range(tp_size)]
+            for each in ranks.values():
+                each.set_directory(addresses)
 
     def add_rank(self, role: str, rank: int, tp_size: int, fill: float, extra: dict | None = None) -> Node:
         """Another tensor-parallel rank of P (role kv_producer) or D (kv_consumer), same base port."""

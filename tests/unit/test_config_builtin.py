@@ -23,7 +23,10 @@ def test_builtin_side_channel_env_vars_are_the_defaults(monkeypatch: pytest.Monk
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5601")
     cfg = parse_config("p", "kv_producer", {})
     assert (cfg.side_channel_host, cfg.side_channel_port) == ("10.1.2.3", 5601)
-    assert cfg.side_channel_port_for_rank(1) == 5602
+    # As the built-in: one port per instance, the data-parallel index added; other TP ranks are
+    # found through rank 0 (a port the system picks), so P 5600 and D 5601 never collide at TP 2.
+    assert (cfg.instance_port(dp_index=0, tp_size=2), cfg.rank_port(1, 0, 2)) == (5601, 0)
+    assert cfg.instance_port(dp_index=1, tp_size=2) == 5602
     # Our keys win over the environment.
     cfg = parse_config("p", "kv_producer", {"side_channel_port": 7000, "side_channel_host": "127.0.0.1"})
     assert (cfg.side_channel_host, cfg.side_channel_port) == ("127.0.0.1", 7000)

@@ -84,7 +84,7 @@ def test_the_definition_keeps_every_name():
 
 def test_the_wire_struct_has_every_counter():
     fields = {f.name for f in msgspec.structs.fields(wire.StatsReply)}
-    assert fields == {*NAMES, "engine_id", "rank", "tp_size"}
+    assert fields == {*NAMES, "engine_id", "rank", "tp_size", "ranks"}
     reply = wire.StatsReply(engine_id="e")
     assert all(getattr(reply, n) == 0 for n in NAMES)
     # every counter crosses the side channel
