@@ -1,6 +1,7 @@
 """Switching from vLLM's built-in NixlConnector: a launch script that sets only the built-in's
-side-channel env vars (distinct per instance, as its docs show) and keeps its extra-config keys,
-adding our `kv_connector_module_path`, comes up and serves greedy-exact through the proxy."""
+side-channel env vars (distinct per instance, as its docs show: P on a port, D on the next one) and
+keeps its extra-config keys, adding our `kv_connector_module_path`, comes up and serves greedy-exact
+through the proxy, with P at tensor-parallel size 2 (its rank 1 must not take D's port)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,26 @@ import os
 from pathlib import Path
 
 from kvc_testing.cluster import MODULE_FORM, ProxyProcess, generate
-from kvc_testing.procs import VllmServer, free_port
+from kvc_testing.procs import VllmServer, free_port_range
 from tests.e2e.checks import PROMPTS, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 
-def _builtin_style(model, role: str, name: str, **extra: object) -> tuple[VllmServer, int]:
-    port = free_port()
+def _builtin_style(model, role: str, name: str, port: int, tp: int = 1, **extra: object) -> VllmServer:
     keys = {"backends": ["UCX"], "enforce_handshake_compat": True, **extra}
     ktc = {**MODULE_FORM, "kv_role": role, "kv_connector_extra_config": keys}
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+    args = ["--kv-transfer-config", json.dumps(ktc)] + (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
     server = VllmServer(
-        model, extra_args=["--kv-transfer-config", json.dumps(ktc)], extra_env=env, name=name, max_model_len=MAX_MODEL_LEN
+        model,
+        extra_args=args,
+        extra_env=env,
+        name=name,
+        max_model_len=MAX_MODEL_LEN,
+        **({"multiprocessing": True, "cpu_bind": "0|0", "cpus": "0"} if tp > 1 else {}),
     )
     server.side_channel_port = port  # type: ignore[attr-defined]  # where kvc_testing's stats() asks
-    return server, port
+    return server
 
 
 def _engine_affinity(server_pid: int) -> dict[str, set[int]]:
@@ -45,17 +51,19 @@ def _engine_affinity(server_pid: int) -> dict[str, set[int]]:
 
 
 def test_builtin_side_channel_env_vars_and_keys_work(tiny_model, reference):
-    p, p_port = _builtin_style(tiny_model, "kv_producer", "P-builtin-env")
+    p_port = free_port_range(2)  # vLLM's guide: P on 5600, D on 5601
+    # P's TP workers on core 0: they spin between steps and would starve D on shared cores (test_pd_tp)
+    p = _builtin_style(tiny_model, "kv_producer", "P-builtin-env", p_port, tp=2)
     # engine_cpus "builtin": D's engine thread pinned where the built-in pins its own on CPU
-    d, _ = _builtin_style(tiny_model, "kv_consumer", "D-builtin-env", engine_cpus="builtin")
+    d = _builtin_style(tiny_model, "kv_consumer", "D-builtin-env", p_port + 1, engine_cpus="builtin")
     with p, d, ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
-        assert_pd_matches_colocated(reference, p, d, proxy, prompts=PROMPTS[:4])
+        assert_pd_matches_colocated(reference, p, d, proxy, prompts=PROMPTS[:4], p_tp=2)
         allowed = os.sched_getaffinity(0)
         d_threads, p_threads = _engine_affinity(d.pid), _engine_affinity(p.pid)
         assert d_threads["engine thread"] == {max(allowed)}, d_threads
         assert {max(allowed)} in [cpus for name, cpus in d_threads.items() if name.startswith("ZMQbg")], d_threads
-        assert p_threads["engine thread"] == allowed, p_threads  # P left alone (the default)
+        assert p_threads["engine thread"] == os.sched_getaffinity(p.pid), p_threads  # P left alone (the default)
         assert "has no effect" in p.log_path.read_text(errors="replace")  # enforce_handshake_compat, said aloud
         # P advertises the side channel its env var named (last: this leaves a lease held on P).
         params = generate(p.url, PROMPTS[5], 1, kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]

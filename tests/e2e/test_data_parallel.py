@@ -1,0 +1,89 @@
+"""Data parallelism served as vLLM's built-in serves it: a prefill instance with
+`--data-parallel-size 2` runs two engines, each with its own engine id (vLLM adds `_dp<index>`) and
+its own side channel (`side_channel_port + index`); P's answer names the engine that holds the
+prompt's KV, so D reads from that one. Every answer through the proxy equals the colocated
+server's, and both of P's engines hand KV to D.
+
+P's engines run on core 0 and D on core 1: vLLM's workers spin between steps, and P's four
+processes on shared cores starved D for tens of seconds (a first handshake or connect stalled until
+P's lease ran out). The deadlines are long besides: this test checks where the KV comes from, not
+how fast."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+
+import pytest
+
+from kvc_testing.cluster import (
+    ENTRY_POINT_FORM,
+    MODULE_FORM,
+    ProxyProcess,
+    generate,
+    make_prompts,
+    output_ids,
+    pd_server,
+    stats,
+    wait_until,
+)
+from kvc_testing.procs import VllmServer
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+MAX_TOKENS = 8
+DP = 2
+SLOW_HOST = ["--health-timeout-s", "20", "--unhealthy-after", "5", "--decode-timeout-s", "300", "--prefill-timeout-s", "300"]
+
+
+@pytest.fixture(scope="module")
+def dp_prefill(tiny_model) -> Iterator[VllmServer]:
+    server = pd_server(
+        tiny_model,
+        "kv_producer",
+        form=MODULE_FORM,
+        name="P-dp2",
+        max_model_len=MAX_MODEL_LEN,
+        dp=DP,
+        extra_config={"lease_s": 240},
+        cpu_bind="0|0",
+        cpus="0",
+    )
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def patient_decode(tiny_model) -> Iterator[VllmServer]:
+    extra = {"handshake_timeout_s": 60, "transfer_timeout_s": 120}
+    with pd_server(
+        tiny_model,
+        "kv_consumer",
+        form=ENTRY_POINT_FORM,
+        name="D-patient",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config=extra,
+        cpus="1",
+    ) as d:
+        yield d
+
+
+def test_each_data_parallel_prefill_engine_hands_its_kv_to_decode(reference, dp_prefill, patient_decode) -> None:
+    decode_server = patient_decode
+    engines = [stats(dp_prefill, dp=d) for d in range(DP)]
+    assert [e.engine_id.rsplit("_", 1)[-1] for e in engines] == ["dp0", "dp1"]  # one side channel each
+    d0 = stats(decode_server)
+    prompts = make_prompts([40, 70, 100, 130, 45, 75, 105, 135, 50, 80, 110, 140], seed=6061)
+    want = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
+    with ProxyProcess([dp_prefill.url], [decode_server.url], extra_args=SLOW_HOST) as proxy:
+        proxy.wait_ready()
+        # Concurrent: P's API server spreads them over its engines (the least loaded first).
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: output_ids(generate(proxy.url, p, MAX_TOKENS, timeout=300)), prompts))
+    mismatches = [(len(p), w, g) for p, w, g in zip(prompts, want, got) if w != g]
+    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
+    d1 = stats(decode_server)
+    assert d1.recv_transfers - d0.recv_transfers == len(prompts) and d1.recv_failures == d0.recv_failures
+    for d in range(DP):
+        wait_until(lambda d=d: stats(dp_prefill, dp=d).held_blocks == 0, 10, f"P engine {d} to free the blocks D read")
+    sent = [stats(dp_prefill, dp=d).completed_sends - engines[d].completed_sends for d in range(DP)]
+    assert sum(sent) == len(prompts) and all(n > 0 for n in sent), f"sends per P engine: {sent}"
