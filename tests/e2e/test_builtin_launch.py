@@ -1,7 +1,8 @@
 """Switching from vLLM's built-in NixlConnector: a launch script that sets only the built-in's
 side-channel env vars (distinct per instance, as its docs show: P on a port, D on the next one) and
 keeps its extra-config keys, adding our `kv_connector_module_path`, comes up and serves greedy-exact
-through the proxy, with P at tensor-parallel size 2 (its rank 1 must not take D's port)."""
+through the proxy, with P at tensor-parallel size 2 (its rank 1 must not take D's port) and both
+instances `kv_both`, as vLLM's guide launches them."""
 
 from __future__ import annotations
 
@@ -53,9 +54,10 @@ def _engine_affinity(server_pid: int) -> dict[str, set[int]]:
 def test_builtin_side_channel_env_vars_and_keys_work(tiny_model, reference):
     p_port = free_port_range(2)  # vLLM's guide: P on 5600, D on 5601
     # P's TP workers on core 0: they spin between steps and would starve D on shared cores (test_pd_tp)
-    p = _builtin_style(tiny_model, "kv_producer", "P-builtin-env", p_port, tp=2)
+    # kv_both on each, as vLLM's guide launches the built-in: the proxy's params decide who does what
+    p = _builtin_style(tiny_model, "kv_both", "P-builtin-env", p_port, tp=2)
     # engine_cpus "builtin": D's engine thread pinned where the built-in pins its own on CPU
-    d = _builtin_style(tiny_model, "kv_consumer", "D-builtin-env", p_port + 1, engine_cpus="builtin")
+    d = _builtin_style(tiny_model, "kv_both", "D-builtin-env", p_port + 1, engine_cpus="builtin")
     with p, d, ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
         assert_pd_matches_colocated(reference, p, d, proxy, prompts=PROMPTS[:4], p_tp=2)
