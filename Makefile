@@ -57,8 +57,8 @@ test-contract: lint
 VLLM_NEXT := 0.33.0
 VLLM_NEXT_DIR := $(VENV)/vllm-next
 VLLM_NEXT_SRC := $(VLLM_NEXT_DIR)/src-$(VLLM_NEXT)
-VLLM_NEXT_TESTS := tests/unit/test_vllm_connector.py tests/unit/test_vllm_scheduler_objects.py tests/unit/test_vllm_scheduler_flow.py \
-	tests/unit/test_plugin.py
+VLLM_NEXT_TESTS := tests/unit/vllm/test_vllm_connector.py tests/unit/vllm/test_vllm_scheduler_objects.py \
+	tests/unit/vllm/test_vllm_scheduler_flow.py tests/unit/vllm/test_plugin.py
 # Without the CPU build's version suffix vLLM finds no platform here; CPU is what this host has.
 VLLM_NEXT_ENV := VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(VLLM_NEXT_SRC)
 

@@ -11,7 +11,7 @@ from benchmarks.faults.bench_load import ProxyLine, after_ok, breakdown, load_ph
 from kv_connectors.proxy.config import Role
 from kv_connectors.proxy.metrics import ProxyMetrics
 from kv_connectors.proxy.trace import Trace
-from tests.unit.engine_harness import Cluster
+from tests.unit.engine.engine_harness import Cluster
 
 
 def test_the_proxy_line_of_a_retried_request_is_read_back(caplog: pytest.LogCaptureFixture) -> None:
