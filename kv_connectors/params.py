@@ -27,7 +27,7 @@ REMOTE_BLOCK_SIZE = "remote_block_size"  # P's tokens per block (D's may differ:
 # more tokens than P's prompt (the first token from prefill: D computes what P's KV does not cover).
 REMOTE_PROMPT_DIGEST = "remote_prompt_digest"
 # Keys the built-in NixlConnector's P states too, which routers and frameworks in NIXL mode may read
-# (tests/unit/test_params_shape.py): P's decode-context and pipeline parallel sizes (ours: 1, pipeline
+# (tests/unit/vllm/test_params_shape.py): P's decode-context and pipeline parallel sizes (ours: 1, pipeline
 # parallel is refused at start-up), the transfer mode and the deadline of blocks a D holds for readback
 # (None on a P's answer). The mode is always "pull": our P's answer holds the blocks for D and names
 # them, and D's config decides who moves the bytes; vllm-router reads "push" as the built-in push
