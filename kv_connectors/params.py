@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_connectors.errors import TransferParamsError
+from kv_connectors.specs import ProducerAddress
 
 # The keys of kv_transfer_params (vLLM's, and the transfer id of Mooncake-style proxies): spelled here only.
 DO_REMOTE_PREFILL = "do_remote_prefill"  # D: load the prompt's KV from a producer
@@ -68,7 +69,7 @@ class RemotePrefill:
         return num_prompt if self.remote_num_tokens is None else min(num_prompt, self.remote_num_tokens)
 
     @property
-    def peer_key(self) -> tuple[str, str, int]:
+    def peer_key(self) -> ProducerAddress:
         return (self.remote_engine_id, self.remote_host, self.remote_port)
 
     @property

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+# A producer rank's side channel: (engine id, or "" for whichever answers there; host; port).
+ProducerAddress = tuple[str, str, int]
+
 
 @dataclasses.dataclass(frozen=True)
 class RecvSpec:
@@ -17,7 +20,7 @@ class RecvSpec:
     prefix hit): only P is told.
     """
 
-    peer_key: tuple[str, str, int]  # (engine id or "", side-channel host, port)
+    peer_key: ProducerAddress  # P's rank 0
     remote_request_id: str  # the key P holds the blocks under (its request id or the transfer id)
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
@@ -68,7 +71,7 @@ class StepMetadata:
     transfers_cancelled: dict[str, str] = dataclasses.field(default_factory=dict)
     # D: requests queued long enough that P's lease needs heartbeats: request id -> (P's
     # side-channel key, the key P holds the blocks under, P's TP size if stated); and those that left the queue.
-    renew_start: dict[str, tuple[tuple[str, str, int], str, int | None]] = dataclasses.field(default_factory=dict)
+    renew_start: dict[str, tuple[ProducerAddress, str, int | None]] = dataclasses.field(default_factory=dict)
     renew_stop: set[str] = dataclasses.field(default_factory=set)
     # The step schedules no token: the worker may wait briefly for its next event (kv_connectors.idle).
     idle: bool = False

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig
-from kv_connectors.consumer.tasks import PeerKey
 from kv_connectors.errors import KVConnectorError
 from kv_connectors.fence import WORD_BYTES, LeaseWords, words_layout
 from kv_connectors.layout import KVLayout
+from kv_connectors.specs import ProducerAddress
 from kv_connectors.transports.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -79,21 +79,21 @@ class Producers:
         self._local_metadata = local_metadata
         self._scratch = scratch
         self._address = address  # ours, told to producers (a new agent from it replaces the old one)
-        self._peers: dict[PeerKey, Producer] = {}
-        self._expected: dict[PeerKey, tuple[int, int]] = {}  # the (rank, TP size) a producer must answer as
+        self._peers: dict[ProducerAddress, Producer] = {}
+        self._expected: dict[ProducerAddress, tuple[int, int]] = {}  # the (rank, TP size) a producer must answer as
 
-    def submit(self, key: PeerKey, body: wire.Body) -> concurrent.futures.Future[wire.Body]:
+    def submit(self, key: ProducerAddress, body: wire.Body) -> concurrent.futures.Future[wire.Body]:
         """One side-channel request to the producer at key (off this thread, with its own deadline)."""
         _engine, host, port = key
         return self._client.submit(host, port, body, self.hash, self._cfg.handshake_timeout_s)
 
-    def get(self, key: PeerKey) -> Producer:
+    def get(self, key: ProducerAddress) -> Producer:
         return self._peers[key]
 
-    def find(self, key: PeerKey) -> Producer | None:
+    def find(self, key: ProducerAddress) -> Producer | None:
         return self._peers.get(key)
 
-    def ensure(self, key: PeerKey, remote_rank: int, remote_tp_size: int) -> None:
+    def ensure(self, key: ProducerAddress, remote_rank: int, remote_tp_size: int) -> None:
         """Hand-shake with the producer at key unless a good handshake is cached (P connects back
         to us: it writes into our blocks (push) and a staged transport answers our reads)."""
         self._expected[key] = (remote_rank, remote_tp_size)
@@ -120,7 +120,7 @@ class Producers:
         peer.future = future
         self._peers[key] = peer
 
-    def mark_failed(self, key: PeerKey, why: str) -> None:
+    def mark_failed(self, key: ProducerAddress, why: str) -> None:
         """The next request hand-shakes again (e.g. the producer restarted)."""
         peer = self._peers.get(key)
         if peer is not None:
@@ -180,7 +180,7 @@ class Producers:
             return None
         return words_layout(base, layout.num_blocks)
 
-    def prune(self, named: Callable[[PeerKey], bool]) -> None:
+    def prune(self, named: Callable[[ProducerAddress], bool]) -> None:
         """Forget producers that failed and that no task names (addresses come from requests: a
         client naming many dead ones would otherwise keep an entry and a thread for each)."""
         for key in [key for key, peer in self._peers.items() if peer.error is not None and not named(key)]:

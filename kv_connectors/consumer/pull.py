@@ -14,7 +14,6 @@ from kv_connectors.consumer.tasks import (
     FailReason,
     Fence,
     FenceStep,
-    PeerKey,
     Read,
     ReadStep,
     RecvPhase,
@@ -25,6 +24,7 @@ from kv_connectors.fence import LeaseWords, lease_word
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.producer.leases import ClaimResult
+from kv_connectors.specs import ProducerAddress
 from kv_connectors.transports.base import Transport, XferState
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Pull:
         self._fail = fail
         self._complete = complete
         self._notify = notify
-        self._to_claim: dict[PeerKey, list[RecvTask]] = {}
+        self._to_claim: dict[ProducerAddress, list[RecvTask]] = {}
         self._to_post: list[RecvTask] = []
         self.claims_refused = 0
         self.fenced_by_words = 0

@@ -12,11 +12,11 @@ from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.consumer.receiver import Receiver
 from kv_connectors.consumer.renewer import Renewer
-from kv_connectors.consumer.tasks import FailReason, PeerKey, RecvKind, RecvTask
+from kv_connectors.consumer.tasks import FailReason, RecvKind, RecvTask
 from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError
 from kv_connectors.layout import KVLayout, reader_count, source_ranks
 from kv_connectors.logutil import RateLimitedLog
-from kv_connectors.specs import RecvSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
 
 logger = logging.getLogger(__name__)
 _limited = RateLimitedLog(logger)
@@ -26,7 +26,7 @@ _P_RANKS_TTL_S = 60.0
 _Where = tuple[str, int]  # a producer instance's side channel: its rank 0's (host, port)
 
 
-def rank_key(peer_key: PeerKey, p_rank: int) -> PeerKey:
+def rank_key(peer_key: ProducerAddress, p_rank: int) -> ProducerAddress:
     """P rank p_rank's side channel where P did not name its ranks (an older version): port + r."""
     engine, host, port = peer_key
     return (engine, host, port + p_rank)
@@ -48,7 +48,7 @@ class ProducerRanks:
             raise KVConnectorError(f"it named {len(reply.ranks)} side channels for {reply.tp_size} ranks")
         return cls(reply.tp_size, tuple(sidechannel.parse_address(a) for a in reply.ranks), now)
 
-    def key(self, peer_key: PeerKey, p_rank: int) -> PeerKey:
+    def key(self, peer_key: ProducerAddress, p_rank: int) -> ProducerAddress:
         if p_rank == 0 or not self.addresses:
             return rank_key(peer_key, p_rank)
         if p_rank >= len(self.addresses):
@@ -85,7 +85,7 @@ class Ranks:
         self._known: dict[_Where, ProducerRanks] = {}
         self._probes: dict[_Where, tuple[concurrent.futures.Future[wire.Body], float]] = {}  # and deadline
         self._deferred: list[tuple[str, RecvSpec]] = []  # loads waiting for their P's ranks
-        self._deferred_renewals: list[tuple[str, tuple[PeerKey, str, int | None]]] = []
+        self._deferred_renewals: list[tuple[str, tuple[ProducerAddress, str, int | None]]] = []
         self._loads: dict[str, _Where] = {}  # load -> its producer: a failed one forgets what P said
 
     def busy(self) -> bool:
@@ -119,7 +119,7 @@ class Ranks:
             if where is not None and rid in failed:
                 self._known.pop(where, None)
 
-    def _start_renewals(self, rid: str, renewal: tuple[PeerKey, str, int | None], *, asked: bool = False) -> None:
+    def _start_renewals(self, rid: str, renewal: tuple[ProducerAddress, str, int | None], *, asked: bool = False) -> None:
         peer, key, p_tp = renewal
         if not asked and self._needs_asking(peer, p_tp, must_know_tp=False):
             self._deferred_renewals.append((rid, renewal))
@@ -139,15 +139,15 @@ class Ranks:
         task.fail(reason, message)
         self._receiver.add(task)
 
-    def _fresh(self, peer_key: PeerKey) -> ProducerRanks | None:
+    def _fresh(self, peer_key: ProducerAddress) -> ProducerRanks | None:
         known = self._known.get(peer_key[1:])
         return known if known is not None and self._clock() - known.asked_at < _P_RANKS_TTL_S else None
 
-    def _known_tp(self, peer_key: PeerKey) -> int | None:
+    def _known_tp(self, peer_key: ProducerAddress) -> int | None:
         known = self._fresh(peer_key)
         return known.tp_size if known is not None else None
 
-    def _key(self, peer_key: PeerKey, p_rank: int) -> PeerKey:
+    def _key(self, peer_key: ProducerAddress, p_rank: int) -> ProducerAddress:
         """P rank p_rank's side channel (KVConnectorError where P has not said where it is)."""
         if p_rank == 0:
             return peer_key
@@ -156,7 +156,7 @@ class Ranks:
             raise KVConnectorError(f"the producer at {peer_key[1]}:{peer_key[2]} did not say where its rank {p_rank} is")
         return known.key(peer_key, p_rank)
 
-    def _needs_asking(self, peer_key: PeerKey, p_tp: int | None, *, must_know_tp: bool) -> bool:
+    def _needs_asking(self, peer_key: ProducerAddress, p_tp: int | None, *, must_know_tp: bool) -> bool:
         """P's rank 0 must first say its TP size (where not stated and a load needs it) or where
         the ranks this rank reads are: asked (once at a time) where so."""
         if self._fresh(peer_key) is not None:
@@ -173,7 +173,7 @@ class Ranks:
         except KVConnectorError:
             return False  # refused when the load is added
 
-    def _ask(self, peer_key: PeerKey) -> None:
+    def _ask(self, peer_key: ProducerAddress) -> None:
         where = peer_key[1:]
         if where not in self._probes:
             timeout = self._cfg.handshake_timeout_s

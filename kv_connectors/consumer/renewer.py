@@ -14,10 +14,10 @@ import logging
 from collections.abc import Callable
 
 from kv_connectors import sidechannel, wire
+from kv_connectors.specs import ProducerAddress
 
 logger = logging.getLogger(__name__)
 
-PeerKey = tuple[str, str, int]
 _FIRST_INTERVAL_S = 0.5  # until a producer told us its lease
 
 
@@ -45,11 +45,11 @@ class Renewer:
         self._client = client
         self._timeout_s = timeout_s
         self._clock = clock
-        self._producers: dict[PeerKey, _Producer] = {}
-        self._where: dict[str, PeerKey] = {}  # D's request id -> its producer
+        self._producers: dict[ProducerAddress, _Producer] = {}
+        self._where: dict[str, ProducerAddress] = {}  # D's request id -> its producer
         self.renewals = 0  # keys renewed (P confirmed a live lease)
 
-    def start(self, rid: str, peer: PeerKey, key: str) -> None:
+    def start(self, rid: str, peer: ProducerAddress, key: str) -> None:
         producer = self._producers.setdefault(peer, _Producer())
         producer.keys[rid] = key
         self._where[rid] = peer
@@ -83,7 +83,7 @@ class Renewer:
                 producer.future = self._client.submit(host, port, body, self._hash, self._timeout_s)
                 producer.next_at = now + producer.interval_s
 
-    def _settle(self, peer: PeerKey, producer: _Producer) -> None:
+    def _settle(self, peer: ProducerAddress, producer: _Producer) -> None:
         future, producer.future = producer.future, None
         assert future is not None
         try:

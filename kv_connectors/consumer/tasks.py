@@ -8,13 +8,11 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 from kv_connectors.counters import Phase
-from kv_connectors.specs import RecvSpec
+from kv_connectors.specs import ProducerAddress, RecvSpec
 
 if TYPE_CHECKING:
     from kv_connectors.plan import TransferPlan
     from kv_connectors.wire import Body
-
-PeerKey = tuple[str, str, int]  # a producer rank's address: (engine id or "" for any, side-channel host, port)
 
 
 class RecvKind(enum.Enum):
@@ -155,7 +153,7 @@ class RecvTask:
     spec: RecvSpec  # what the scheduler asked for
     deadline: float  # of the current phase
     kind: RecvKind = RecvKind.LOAD
-    peer: PeerKey | None = None  # the producer rank read from (None: the spec's, rank 0)
+    peer: ProducerAddress | None = None  # the producer rank read from (None: the spec's, rank 0)
     remote_rank: int = 0
     remote_tp_size: int = 1
     group: str = ""  # the request id vLLM knows, where the request is one task per producer rank
@@ -174,7 +172,7 @@ class RecvTask:
     num_descriptors: int = 0
 
     @property
-    def peer_key(self) -> PeerKey:
+    def peer_key(self) -> ProducerAddress:
         return self.spec.peer_key if self.peer is None else self.peer
 
     @property

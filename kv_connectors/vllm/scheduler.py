@@ -22,6 +22,7 @@ from kv_connectors.params import (
     prompt_digest,
 )
 from kv_connectors.plan import blocks_for_tokens
+from kv_connectors.specs import ProducerAddress
 from kv_connectors.vllm.compat import FINISHED_NORMALLY, unhashed_block_ids
 from kv_connectors.vllm.metadata import ConnectorMetadata, RecvSpec, SendSpec
 from kv_connectors.vllm.stats import REQUESTS_WITHOUT_PARAMS, KvcStats
@@ -64,7 +65,7 @@ class SchedulerSide:
         self._layerwise: set[str] = set()  # P: requests whose layers the worker may be writing
         # D: requests waiting in D's queue -> (arrival, P's side channel, P's key), in arrival order;
         # past lease_renew_after_s they move to _renewing and the worker keeps P's lease alive.
-        self._queued: dict[str, tuple[float, tuple[str, str, int], str, int | None]] = {}
+        self._queued: dict[str, tuple[float, ProducerAddress, str, int | None]] = {}
         self._renewing: set[str] = set()
         self._meta = ConnectorMetadata()
         # D only (kv_consumer): requests that came without P's kv_transfer_params (computed here).
