@@ -164,11 +164,12 @@ def host_problems(kind: str, cfg: ConnectorConfig, ranks: int = 1, engines: int 
     process may use."""
     if ranks < 1 or engines < 1:
         return [f"tensor- and data-parallel sizes must be >= 1, got {ranks} and {engines}"]
+    try:
+        cfg.check_ports(engines - 1, ranks)  # the last engine's ports are the highest
+    except ConfigError as e:
+        return [str(e)]
     problems = []
-    ports = sorted({cfg.rank_port(rank, dp, ranks) for dp in range(engines) for rank in range(ranks)} - {0})
-    if ports[-1] > 65535:
-        return [f"side_channel_port {cfg.side_channel_port} leaves no room for {engines} x {ranks} ranks (port {ports[-1]})"]
-    for port in ports:
+    for port in sorted({cfg.rank_port(rank, dp, ranks) for dp in range(engines) for rank in range(ranks)} - {0}):
         with socket.socket(socket.AF_INET6 if ":" in cfg.bind_host else socket.AF_INET) as s:
             try:
                 s.bind((cfg.bind_host, port))

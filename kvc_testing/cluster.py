@@ -199,8 +199,8 @@ def stats(server: VllmServer, timeout_s: float = 5.0, rank: int = 0, dp: int = 0
     first = sidechannel.query_stats("127.0.0.1", server.side_channel_port + dp, timeout_s)  # type: ignore[attr-defined]
     if rank == 0:
         return first
-    if not first.ranks:  # a server in the rank layout, or an older version: rank r at port + r
-        return sidechannel.query_stats("127.0.0.1", server.side_channel_port + dp * first.tp_size + rank, timeout_s)  # type: ignore[attr-defined]
+    if not first.ranks:  # an older version, which names no ranks: rank r at port + r
+        return sidechannel.query_stats("127.0.0.1", server.side_channel_port + rank, timeout_s)  # type: ignore[attr-defined]
     host, port = sidechannel.parse_address(first.ranks[rank])
     return sidechannel.query_stats(host, port, timeout_s)
 

@@ -99,9 +99,8 @@ class MemoryFabric:
     def sever(self, name: str) -> None:
         """Break every connection to and from agent `name` (see the class)."""
         for agent_name, agent in self.agents.items():
-            for peer in agent._peers if agent_name == name else agent._peers & {name}:
-                agent._broken.add(peer)
-                agent._link[peer] = agent._link.get(peer, 0) + 1
+            for peer in list(agent._peers) if agent_name == name else agent._peers & {name}:
+                agent._break(peer)
 
 
 @dataclasses.dataclass
@@ -196,8 +195,7 @@ class MemoryTransport:
         self.posted = 0
         for agent in fabric.agents.values():  # a new process under a known name: links to the old one are dead
             if name in agent._peers:
-                agent._broken.add(name)
-                agent._link[name] = agent._link.get(name, 0) + 1
+                agent._break(name)
         fabric.agents[name] = self
 
     def register(self, layout: KVLayout, kind: MemoryKind = MemoryKind.HOST, device_id: int = 0) -> None:
@@ -213,6 +211,11 @@ class MemoryTransport:
             raise TransportError(f"unknown peer {peer_name!r}")
         self._peers.add(peer_name)
         self._broken.discard(peer_name)
+
+    def _break(self, peer_name: str) -> None:
+        """The connection to peer_name broke (MemoryFabric.sever): posts fail until connect() again."""
+        self._broken.add(peer_name)
+        self._link[peer_name] = self._link.get(peer_name, 0) + 1
 
     def disconnect(self, peer_name: str) -> None:
         self._peers.discard(peer_name)

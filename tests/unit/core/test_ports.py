@@ -35,6 +35,7 @@ def test_a_bad_layout_or_no_room_left_is_a_clear_error() -> None:
     cfg.check_ports(0, 1)
     with pytest.raises(ConfigError, match="data-parallel index 0 at tensor_parallel_size 2"):
         cfg.check_ports(0, 2)
+    assert "leaves no room" in host_problems("nixl", cfg, ranks=2)[0]  # check-config --here says it too
 
 
 def test_check_config_here_checks_each_data_parallel_engines_port() -> None:
