@@ -9,8 +9,9 @@ import pytest
 
 from kv_connectors import wire
 from kv_connectors.consumer.ranks import ProducerRanks
-from kv_connectors.errors import KVConnectorError
+from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.transports.memory import MemoryFabric, MemoryTransport
 from tests.unit.engine.engine_harness import P_PORT, Cluster, Node
 
 P_BLOCKS = (1, 2, 3)
@@ -94,3 +95,18 @@ def test_a_producer_that_cannot_say_its_ranks_fails_the_load_clearly() -> None:
     for _ in range(3):
         c.d.step()
     assert c.d.failed_recving == {"d-r1"}
+
+
+def test_the_fake_breaks_links_to_a_process_replaced_under_its_name() -> None:
+    """As NIXL after a peer restarted under the same agent name: the old endpoint reports a
+    disconnect until the peer is connected anew (the restart test above relies on it)."""
+    fabric = MemoryFabric()
+    d, old = MemoryTransport("D", fabric), MemoryTransport("P-rank1", fabric)
+    d.connect("P-rank1", b"P-rank1")
+    assert d._peer("P-rank1") is old
+    old.close()
+    new = MemoryTransport("P-rank1", fabric)
+    with pytest.raises(PeerDisconnectedError):
+        d._peer("P-rank1")
+    d.connect("P-rank1", b"P-rank1")
+    assert d._peer("P-rank1") is new
