@@ -125,8 +125,8 @@ def assemble(
         clock=clock,
         address=address,
     )
-    receiver = Receiver(cfg, rank, transport, layout, producers, client=client, clock=clock, scratch=scratch)
     renewer = Renewer(cfg.engine_id, compat_hash, client, cfg.handshake_timeout_s, clock)
+    receiver = Receiver(cfg, rank, transport, layout, producers, client=client, clock=clock, scratch=scratch, renewer=renewer)
     ranks = Ranks(
         cfg, rank, where.tp_size, compat.num_kv_heads, layout, receiver=receiver, renewer=renewer, client=client, clock=clock
     )

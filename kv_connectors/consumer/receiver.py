@@ -12,6 +12,7 @@ from kv_connectors.config import ConnectorConfig, TransferMode
 from kv_connectors.consumer.producers import Producers
 from kv_connectors.consumer.pull import Pull
 from kv_connectors.consumer.push import PushLoads
+from kv_connectors.consumer.renewer import LoadHeartbeats, Renewer
 from kv_connectors.consumer.tasks import FailReason, RecvFailure, RecvKind, RecvPhase, RecvTask, TaskKey
 from kv_connectors.counters import DURATIONS_CAP, Phase
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
@@ -65,6 +66,7 @@ class Receiver:
         client: sidechannel.Client,
         clock: Callable[[], float],
         scratch: LeaseWords | None = None,  # where producers' lease words are read to (None: always claim)
+        renewer: Renewer | None = None,  # heartbeats for loads that wait (None: only queued requests get them)
     ) -> None:
         self._cfg = cfg
         self._rank = rank
@@ -97,6 +99,7 @@ class Receiver:
             settle_failed=self._settled,
         )
         self._tasks: dict[TaskKey, RecvTask] = {}
+        self._heartbeats = LoadHeartbeats(renewer, cfg.lease_renew_after_s) if renewer is not None else None
         self._group_failed: set[str] = set()  # requests read from several producer ranks: one read failed
         self.totals = RecvTotals()
 
@@ -123,6 +126,8 @@ class Receiver:
         self._pull.send_claims()
         self._pull.post(lambda task: self._advance_safely(task, self._clock()))
         self._pull.send_claims()  # the claims of reads whose words proved nothing
+        if self._heartbeats is not None:
+            self._heartbeats.keep(self._tasks, self._clock())
 
     def _advance_safely(self, task: RecvTask, now: float) -> None:
         try:

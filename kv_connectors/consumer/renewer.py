@@ -1,9 +1,10 @@
-"""D side: heartbeats that keep P's leases alive while D's requests wait in D's queue.
+"""D side: heartbeats that keep P's leases alive while D's requests wait, in D's queue and after.
 
 The scheduler side names the requests queued longer than `lease_renew_after_s` (and those that
-left the queue); the worker renews their leases, batched per producer, at a third of the
-producer's lease (learnt from its answer). A D that stops renewing loses the KV at lease expiry,
-and its read is then refused by the fence.
+left the queue); the receiver names the loads still waiting that long after they arrived (a
+handshake, a connect, a push, a read: LoadHeartbeats). The worker renews their leases, batched per
+producer, at a third of the producer's lease (learnt from its answer). A D that stops renewing
+loses the KV at lease expiry, and its read is then refused by the fence.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kv_connectors import sidechannel, wire
+from kv_connectors.consumer.tasks import RecvKind, RecvPhase, RecvTask, TaskKey
 from kv_connectors.specs import ProducerAddress
 
 logger = logging.getLogger(__name__)
 
 _FIRST_INTERVAL_S = 0.5  # until a producer told us its lease
+# A load in these phases still needs P's blocks.
+_WAITING = frozenset({RecvPhase.HANDSHAKE, RecvPhase.PUSH_REQUESTED, RecvPhase.AWAITING_WRITE, RecvPhase.READING})
 
 
 @dataclasses.dataclass
@@ -96,3 +100,34 @@ class Renewer:
         self.renewals += sum(reply.known)
         if reply.lease_s > 0:
             producer.interval_s = max(0.05, reply.lease_s / 3)
+
+
+class LoadHeartbeats:
+    """Heartbeats from the moment D has a load, not only while it is queued: a load still waiting
+    (handshake, connect, push, read) `renew_after_s` after it arrived renews P's lease until it ends,
+    so that a slow handshake or connect does not outlive the lease and cost the request its KV. A
+    load done sooner costs P no message. Engine thread only."""
+
+    def __init__(self, renewer: Renewer, renew_after_s: float) -> None:
+        self._renewer = renewer
+        self._after_s = renew_after_s
+        self._renewing: set[TaskKey] = set()
+
+    def keep(self, tasks: Mapping[TaskKey, RecvTask], now: float) -> None:
+        for key in [k for k in self._renewing if (t := tasks.get(k)) is None or t.phase not in _WAITING]:
+            self._renewing.discard(key)
+            self._renewer.stop(_renewal_id(key))
+        for task in tasks.values():
+            if (
+                task.kind is RecvKind.LOAD
+                and task.phase in _WAITING
+                and task.key not in self._renewing
+                and now - task.created >= self._after_s
+            ):
+                self._renewing.add(task.key)
+                self._renewer.start(_renewal_id(task.key), task.peer_key, task.remote_request_id)
+
+
+def _renewal_id(key: TaskKey) -> str:
+    """A load's id in the renewer (apart from the scheduler's queued requests, named by request id)."""
+    return f"{key[1]}@load"

@@ -274,3 +274,45 @@ def test_the_claim_leaves_before_the_read_is_posted():
     c.run()
     assert claims_at_post == [1], "the read was posted before its claim was sent"
     assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
+
+
+def _slow_handshake_load(d_extra: dict) -> Cluster:
+    """D takes a load whose producer's handshake answer comes back only after 8 s (P's lease is 5 s):
+    the answer's network is slow, P itself answers everything else at once."""
+    c = Cluster(d_extra={"handshake_timeout_s": 20, **d_extra})
+    c.prefill_done("r1", P_BLOCKS)
+    c.d.client.hold_types = (wire.HandshakeRequest,)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    for _ in range(16):  # 8 s in the handshake
+        c.run(1, dt=0.5)
+    assert not c.d.finished_recving and not c.d.failed_recving
+    c.d.client.hold_types = ()
+    c.d.client.deliver()
+    c.run(10)
+    return c
+
+
+def test_heartbeats_keep_p_lease_while_a_loads_handshake_waits():
+    """From the moment D has a load, not only while it is queued: a handshake that outlives P's lease
+    (a producer slow to answer, or a slow connect) must not cost the request its KV."""
+    c = _slow_handshake_load({})
+    assert c.p.engine.stats.expired_leases == 0, "P's lease expired while D waited on the handshake"
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
+    assert c.d.engine.stats.lease_renewals > 0
+
+
+def test_heartbeats_keep_p_lease_while_a_push_loads_handshake_waits():
+    c = _slow_handshake_load({"mode": "push"})
+    assert c.p.engine.stats.expired_leases == 0, "P's lease expired while D waited on the handshake"
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
+
+
+def test_a_quick_load_sends_no_heartbeat():
+    """Heartbeats start only for a load older than lease_renew_after_s: a load done in milliseconds
+    costs P no extra message."""
+    c = Cluster(d_extra=CLAIM_ONLY)
+    c.prefill_done("r1", P_BLOCKS)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(20, dt=0.01)
+    assert c.d.finished_recving == {"d1"}
+    assert not [m for m in c.fabric.requests if isinstance(m, wire.RenewRequest)]
