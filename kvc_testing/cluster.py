@@ -65,12 +65,14 @@ def pd_server(
     transfer_config: Mapping[str, Any] | None = None,
     tp: int = 1,
     dp: int = 1,
+    extra_args: Sequence[str] = (),
     **server_kwargs: Any,
 ) -> VllmServer:
     """A vLLM server with our connector (not started). transfer_config: vLLM's own kv-transfer-config
     keys (e.g. {"kv_load_failure_policy": "recompute"}); extra_config: ours. tp > 1: that many
     tensor-parallel ranks, one core each (worker processes; rank 0's side channel names the others');
-    dp > 1: that many data-parallel engines (engine d's side channel on port + d)."""
+    dp > 1: that many data-parallel engines (engine d's side channel on port + d); extra_args: more
+    vLLM flags (e.g. --kv-events-config)."""
     port = side_channel_port or (free_port() if dp == 1 else free_port_range(dp))
     ktc = kv_transfer_config(role, port, form=form, top_level=transfer_config, **dict(extra_config or {}))
     args = ["--kv-transfer-config", ktc]
@@ -78,6 +80,7 @@ def pd_server(
         args += ["--tensor-parallel-size", str(tp)]
     if dp > 1:
         args += ["--data-parallel-size", str(dp)]
+    args += [str(a) for a in extra_args]
     if tp > 1 or dp > 1:
         server_kwargs["multiprocessing"] = True
         cpu_bind = cpu_bind if cpu_bind is not None else "|".join(str(r % 2) for r in range(tp * dp))
