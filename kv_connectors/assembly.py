@@ -68,6 +68,22 @@ class Parts:
     renewer: Renewer
     sender: Sender
 
+    def busy(self) -> bool:
+        """Something held or under way in any part (else a step may skip the engine's work)."""
+        return (
+            self.receiver.busy()
+            or self.sender.busy()
+            or self.renewer.busy()
+            or self.ranks.busy()
+            or (self.staging is not None and self.staging.busy())
+        )
+
+    def close(self) -> None:
+        self.server.close()
+        self.receiver.close()
+        self.sender.close()
+        self.transport.close()
+
 
 def assemble(
     where: Where,

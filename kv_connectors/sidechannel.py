@@ -273,6 +273,32 @@ class SideChannelClient:
         # left to the garbage collector, with LINGER 0.
 
 
+class WakingClient:
+    """A client whose every answer (or failure) calls wake: the engine's idle wait ends with it."""
+
+    def __init__(self, inner: Client, wake: Callable[[], None]) -> None:
+        self._inner = inner
+        self._wake = wake
+
+    def submit(
+        self, host: str, port: int, body: wire.Body, compat_hash: str, timeout_s: float
+    ) -> concurrent.futures.Future[wire.Body]:
+        future = self._inner.submit(host, port, body, compat_hash, timeout_s)
+        future.add_done_callback(lambda _f: self._wake())
+        return future
+
+    def forget(self, host: str, port: int) -> None:
+        self._inner.forget(host, port)
+
+    def listening(self, host: str, port: int) -> concurrent.futures.Future[bool]:
+        future = self._inner.listening(host, port)
+        future.add_done_callback(lambda _f: self._wake())
+        return future
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 def listening(host: str, port: int, timeout_s: float = _LISTEN_PROBE_S) -> bool:
     """Whether something accepts TCP connections at the address. Refused: no process listens
     there (the peer's process is gone); a stopped process's listening socket still accepts, and a

@@ -1,9 +1,11 @@
-"""The worker's counters (kv_connectors.counters) as of now, read from its parts."""
+"""The worker's counters (kv_connectors.counters) as of now, and the durations kept since they were
+last taken, read from its parts."""
 
 from __future__ import annotations
 
 from kv_connectors import wire
 from kv_connectors.assembly import Parts, Where
+from kv_connectors.counters import Phase
 
 
 def snapshot(where: Where, parts: Parts, idle_steps: int, directory: tuple[str, ...] = ()) -> wire.StatsReply:
@@ -52,3 +54,20 @@ def _staging_stats(parts: Parts) -> dict[str, int]:
         "staging_quarantined_bytes": int(ps["quarantined_bytes"]),
         "staging_suspect_peers": int(ps["suspect_peers"]),
     }
+
+
+def take_load_durations(parts: Parts) -> list[float]:
+    """Each completed load's duration since the last call (for the load-time histogram)."""
+    totals = parts.receiver.totals
+    durations, totals.durations = totals.durations, []
+    return durations
+
+
+def take_phase_durations(parts: Parts) -> dict[Phase, list[float]]:
+    """Each phase's durations since the last call (kv_connectors.counters.Phase), for histograms."""
+    totals = parts.receiver.totals
+    phases, totals.phases = totals.phases, {}
+    holds = parts.sender.leases.take_hold_seconds()
+    if holds:
+        phases[Phase.LEASE_HOLD] = holds
+    return phases

@@ -6,13 +6,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
-from kv_connectors.errors import ConfigError, TransferParamsError
+from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError
 from kv_connectors.layout import KVLayout, reader_count, source_ranks
 from kv_connectors.producer.leases import ClaimResult, SendLeases
 
@@ -195,6 +195,39 @@ class Admission:
         now = self._clock()
         known = [self._leases.renew(key, now, self._cfg.lease_s) for key in request.keys]
         return wire.RenewReply(known, self._cfg.lease_s)
+
+
+class Desk:
+    """What this rank's side channel answers (the server thread): stats (any rank, P or D: the worker's
+    last snapshot), every other request P's Admission's once registered (NOT_READY until then). A
+    request the engine acts on (anything but stats) ends its idle wait (wake)."""
+
+    def __init__(self, stats: wire.StatsReply, wake: Callable[[], None]) -> None:
+        self.stats = stats
+        self.ranks: tuple[str, ...] = ()  # every rank's side-channel address (set_ranks)
+        self.admission: Admission | None = None  # set once every part exists: until then, not ready
+        self._wake = wake
+
+    def set_ranks(self, addresses: Sequence[str], address: str) -> None:
+        """Every rank's side-channel address, by rank; address: this rank's. Rank 0 names the others
+        to a peer that asks (config.PortLayout)."""
+        rank, tp_size = self.stats.rank, self.stats.tp_size
+        if len(addresses) != tp_size or addresses[rank] != address:
+            raise KVConnectorError(f"rank {rank} of {tp_size} was given side channels {list(addresses)}")
+        self.ranks = tuple(addresses)
+        self.stats = msgspec.structs.replace(self.stats, ranks=self.ranks)
+
+    def answer(self, body: wire.Body) -> wire.Body:
+        if isinstance(body, wire.StatsRequest):
+            return self.stats
+        admission = self.admission
+        reply = (
+            admission.handle(body)
+            if admission is not None
+            else wire.ErrorReply(wire.ErrorCode.NOT_READY, "KV cache not registered yet")
+        )
+        self._wake()
+        return reply
 
 
 def tp_refusal(body: wire.HandshakeRequest, rank: int, tp_size: int, num_kv_heads: int, layout: KVLayout) -> str:

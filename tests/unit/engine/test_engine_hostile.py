@@ -52,7 +52,7 @@ def test_push_request_with_ids_beyond_int64_fails_that_push_only():
 def test_producer_advertising_an_impossible_layout_is_refused():
     c = Cluster()
     bad = wire.LayoutMsg(16, 4, [wire.RegionMsg(2**63 - 10, 256, 256)])
-    real = c.p.engine._handle
+    real = c.fabric.servers[("127.0.0.1", P_PORT)].handler
 
     def lying(body):
         reply = real(body)

@@ -10,7 +10,7 @@ import numpy as np
 from kv_connectors import wire
 from kv_connectors.fence import LeaseWords, lease_word
 from kv_connectors.producer.leases import SendLeases
-from tests.unit.engine.engine_harness import Cluster
+from tests.unit.engine.engine_harness import P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
@@ -134,7 +134,8 @@ def test_words_of_a_restarted_producer_prove_nothing():
 def test_a_bad_words_address_from_the_producer_is_ignored():
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
-    sender_reply = c.p.engine._handle
+    server = c.fabric.servers[("127.0.0.1", P_PORT)]
+    sender_reply = server.handler
 
     def bad_address(body):
         reply = sender_reply(body)
@@ -144,7 +145,7 @@ def test_a_bad_words_address_from_the_producer_is_ignored():
             return msgspec.structs.replace(reply, lease_words=2**63 - 8)
         return reply
 
-    c.p.engine._handle = bad_address
+    server.handler = bad_address
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run()
     assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)

@@ -283,5 +283,5 @@ def test_a_handshake_naming_an_absurd_tp_size_is_refused_at_once():
     c = Cluster(heads=2)
     layout = wire.LayoutMsg.from_layout(c.d.engine.parts.layout)
     body = wire.HandshakeRequest("X", 0, c.d.engine.parts.compat, agent_name="x", layout=layout, tp_size=10**6)
-    reply = c.p.engine._handle(body)
+    reply = c.p.engine._desk.answer(body)
     assert isinstance(reply, wire.ErrorReply) and "outside 1..4096" in reply.message
