@@ -91,64 +91,6 @@ def token_major(heads: int, head_stride: int, tokens: int, token_stride: int, ce
     return Cells(heads, head_stride, tokens, (Part(0, 1, 0, token_stride, cell_bytes),), first_head)
 
 
-MAX_TP_SIZE = 4096  # tensor-parallel sizes a request or a peer may name: larger ones are refused
-
-
-def _check_tp(*sizes: int) -> None:
-    """TP sizes come from requests and peers, and size lists and loops below: bounded first."""
-    for tp in sizes:
-        if not 1 <= tp <= MAX_TP_SIZE:
-            raise ConfigError(f"tensor_parallel_size {tp} is outside 1..{MAX_TP_SIZE}")
-
-
-def rank_heads(total_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
-    """(first head, heads) a tensor-parallel rank holds: a slice of total_heads / tp_size heads, or,
-    with fewer heads than ranks (GQA replication), one head shared by tp_size / total_heads ranks."""
-    _check_tp(tp_size)
-    if total_heads >= tp_size:
-        if total_heads % tp_size:
-            raise ConfigError(f"{total_heads} KV heads cannot be split over tensor_parallel_size {tp_size}")
-        per = total_heads // tp_size
-        return rank * per, per
-    if tp_size % total_heads:
-        raise ConfigError(f"tensor_parallel_size {tp_size} is not a multiple of the {total_heads} KV heads")
-    return rank // (tp_size // total_heads), 1
-
-
-def source_ranks(total_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
-    """The prefill ranks a decode rank reads its heads from: one per slice of its heads that one
-    prefill rank holds (several when P runs more ranks than D; one when D runs as many or more).
-    Where P replicates a head over ranks (fewer heads than ranks), D ranks spread over the copies."""
-    _check_tp(p_tp, d_tp)
-    first, count = rank_heads(total_heads, d_tp, d_rank)
-    out: list[int] = []
-    for head in range(first, first + count):
-        if p_tp <= total_heads:
-            p = head // (total_heads // p_tp)
-        else:
-            copies = p_tp // total_heads
-            p = head * copies + d_rank % copies
-        if p not in out:
-            out.append(p)
-    return out
-
-
-def reader_count(total_heads: int, p_tp: int, d_tp: int, p_rank: int) -> int:
-    """How many decode ranks read from prefill rank p_rank (each notifies it once it is done);
-    a ConfigError where some prefill rank would never be read (its KV would wait for its lease)."""
-    _check_tp(p_tp, d_tp)
-    counts = [0] * p_tp
-    for d in range(d_tp):
-        for p in source_ranks(total_heads, p_tp, d_tp, d):
-            counts[p] += 1
-    if 0 in counts:
-        raise ConfigError(
-            f"with {total_heads} KV heads, prefill tensor_parallel_size {p_tp} and decode {d_tp}, prefill "
-            f"rank {counts.index(0)}'s KV would never be read (it replicates heads other ranks hold)"
-        )
-    return counts[p_rank]
-
-
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
     """All regions of one worker's KV cache, in a fixed order both peers agree on."""

@@ -19,8 +19,8 @@ import numpy as np
 
 from benchmarks.transport.harness import add_engine_args, block_ids, engine_spec, open_side, start_p
 from kv_connectors.config import DEFAULT_CHUNK_KIB, DEFAULT_POOL_KIB
-from kv_connectors.layout import rank_heads, source_ranks
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
+from kv_connectors.tp import rank_heads, source_ranks
 from kv_connectors.transports.base import Transport, XferState
 from kvc_testing import netns, peers
 from kvc_testing.kvbuffers import (

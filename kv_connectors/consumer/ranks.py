@@ -13,10 +13,11 @@ from kv_connectors.config import ConnectorConfig
 from kv_connectors.consumer.receiver import Receiver
 from kv_connectors.consumer.renewer import Renewer
 from kv_connectors.consumer.tasks import FailReason, RecvKind, RecvTask
-from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError
-from kv_connectors.layout import KVLayout, reader_count, source_ranks
+from kv_connectors.errors import KVConnectorError, TransferParamsError
+from kv_connectors.layout import KVLayout
 from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
+from kv_connectors.tp import check_pairing, rank_sources
 
 logger = logging.getLogger(__name__)
 _limited = RateLimitedLog(logger)
@@ -221,7 +222,7 @@ class Ranks:
         try:
             sources = self._sources(rid, p_tp)
             if len(sources) > 1 or sources[0][1][1] != self._tp_size:
-                self._check_heterogeneous(p_tp)
+                check_pairing(self._heads, sources[0][1][1], self._tp_size, tells_heads=self._layout.cells is not None)
             peers = [self._key(spec.peer_key, p_rank) for _, (p_rank, _) in sources]
         except KVConnectorError as e:
             if spec.report:
@@ -248,21 +249,8 @@ class Ranks:
             )
 
     def _sources(self, rid: str, remote_tp_size: int | None) -> list[tuple[str, tuple[int, int]]]:
-        """(task id, (P rank, P's TP size)) for each P rank this rank reads the request's heads from:
-        P's rank of our number when P runs our TP size (or did not say), else those holding our heads."""
+        """(task id, (P rank, P's TP size)) for each P rank this rank reads the request's heads from
+        (kv_connectors.tp.rank_sources; P's TP size not stated: ours)."""
         p_tp = remote_tp_size or self._tp_size
-        if p_tp == self._tp_size:
-            return [(rid, (self._rank, p_tp))]
-        ranks = source_ranks(self._heads, p_tp, self._tp_size, self._rank)
+        ranks = rank_sources(self._heads, p_tp, self._tp_size, self._rank)
         return [(rid if i == 0 else f"{rid}|p{p}", (p, p_tp)) for i, p in enumerate(ranks)]
-
-    def _check_heterogeneous(self, p_tp: int | None) -> None:
-        """Another TP size than P's: each D rank loads the heads of each P rank holding some of its
-        own (reads them, or each such P rank writes them), where the layouts tell heads apart."""
-        where = f"prefill tensor_parallel_size {p_tp}, decode {self._tp_size}"
-        if self._layout.cells is None:
-            raise TransferParamsError(f"{where}: this instance's KV layout does not tell heads apart (only the same TP size)")
-        try:
-            reader_count(self._heads, p_tp or self._tp_size, self._tp_size, 0)
-        except ConfigError as e:
-            raise TransferParamsError(str(e)) from e

@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from kv_connectors import wire
+from kv_connectors import tp, wire
 from kv_connectors.config import ConnectorConfig
-from kv_connectors.errors import ConfigError, KVConnectorError, TransferParamsError
-from kv_connectors.layout import KVLayout, reader_count, source_ranks
+from kv_connectors.errors import KVConnectorError, TransferParamsError
+from kv_connectors.layout import KVLayout
 from kv_connectors.producer.leases import ClaimResult, SendLeases
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,8 @@ class Admission:
         """A D rank hand-shakes: refused if it cannot read this rank's heads or its model differs;
         else answered, and queued for the engine thread (which connects it, for push)."""
         me = self._identity
-        why = tp_refusal(body, me.rank, me.tp_size, self._compat.num_kv_heads, self._layout)
+        tell_heads = self._layout.cells is not None and body.layout is not None and body.layout.cells is not None
+        why = tp.handshake_refusal(self._compat.num_kv_heads, me.rank, me.tp_size, body.rank, body.tp_size, tell_heads)
         if why:
             logger.error("refused peer %s: %s", body.engine_id, why)
             return wire.ErrorReply(wire.ErrorCode.INCOMPATIBLE, why)
@@ -228,23 +229,3 @@ class Desk:
         )
         self._wake()
         return reply
-
-
-def tp_refusal(body: wire.HandshakeRequest, rank: int, tp_size: int, num_kv_heads: int, layout: KVLayout) -> str:
-    """Why a consumer rank may not read from this rank ("" if it may): it must hold some of our
-    heads, and both layouts must tell heads apart where the TP sizes differ."""
-    if (body.rank, body.tp_size) == (rank, tp_size):
-        return ""
-    sizes = f"server rank {rank} of tensor_parallel_size {tp_size}, client rank {body.rank} of {body.tp_size}"
-    if body.tp_size == tp_size:
-        return f"tensor-parallel ranks differ: {sizes} (each decode rank reads the prefill rank of its number)"
-    if layout.cells is None or body.layout is None or body.layout.cells is None:
-        return f"tensor parallelism differs ({sizes}) and a KV layout does not tell heads apart"
-    try:
-        reader_count(num_kv_heads, tp_size, body.tp_size, rank)
-        sources = source_ranks(num_kv_heads, tp_size, body.tp_size, body.rank)
-    except ConfigError as e:
-        return f"tensor parallelism cannot be mapped ({sizes}): {e}"
-    if rank not in sources:
-        return f"tensor parallelism differs ({sizes}): that decode rank reads prefill ranks {sources}"
-    return ""

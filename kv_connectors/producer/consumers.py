@@ -9,7 +9,8 @@ from collections.abc import Collection
 
 from kv_connectors import wire
 from kv_connectors.errors import KVConnectorError
-from kv_connectors.layout import KVLayout, reader_count
+from kv_connectors.layout import KVLayout
+from kv_connectors.tp import reader_count
 from kv_connectors.transports.base import Transport
 
 logger = logging.getLogger(__name__)

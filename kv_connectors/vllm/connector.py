@@ -20,9 +20,9 @@ from kv_connectors.layout import (
     cells_of_cpu_tensor,
     cells_of_tensor,
     layer_regions,
-    rank_heads,
 )
 from kv_connectors.logutil import RateLimitedLog
+from kv_connectors.tp import rank_heads
 from kv_connectors.transports import create_transport
 from kv_connectors.transports.base import MemoryKind, Transport
 from kv_connectors.vllm import compat, device

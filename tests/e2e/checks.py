@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from kv_connectors.layout import reader_count, source_ranks
+from kv_connectors.tp import reader_count, source_ranks
 from kvc_testing.cluster import (
     generate,
     make_prompts,

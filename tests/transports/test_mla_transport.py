@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kv_connectors.layout import KVLayout, rank_heads, reader_count, source_ranks
+from kv_connectors.layout import KVLayout
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells, plan_transfer
+from kv_connectors.tp import rank_heads, reader_count, source_ranks
 from kv_connectors.transports.base import Op
 from kv_connectors.transports.memory import MemoryFabric
 from kvc_testing import kvbuffers, peers

@@ -20,10 +20,10 @@ from kv_connectors.layout import (
     build_layout,
     cells_of_cpu_tensor,
     cells_of_tensor,
-    rank_heads,
     token_major,
 )
 from kv_connectors.plan import BlockTable, plan_cells
+from kv_connectors.tp import rank_heads
 
 LAYERS = 2
 HEAD_SIZE = 3  # float32 values per head and token, per K or V

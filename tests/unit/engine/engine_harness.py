@@ -12,8 +12,9 @@ import numpy as np
 
 from kv_connectors import wire
 from kv_connectors.config import parse_config
-from kv_connectors.layout import rank_heads, token_major
+from kv_connectors.layout import token_major
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.tp import rank_heads
 from kv_connectors.transports.memory import MemoryClient, MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.worker import WorkerEngine
 

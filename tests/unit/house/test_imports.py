@@ -28,6 +28,7 @@ PURE = {
     "errors",
     "config",
     "layout",
+    "tp",
     "plan",
     "params",
     "counters",

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from kv_connectors.errors import ConfigError
-from kv_connectors.layout import TensorInfo, reader_count, source_ranks, token_major
+from kv_connectors.layout import TensorInfo, token_major
+from kv_connectors.tp import reader_count, source_ranks
 from kv_connectors.vllm import compat
 from kv_connectors.vllm.connector import kv_cells
 
