@@ -109,6 +109,27 @@ class BlockTable:
     first_token: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenRange:
+    """A load's prompt tokens [first, first + count), and the token each side's first block begins
+    at (src: P's blocks, dst: D's). count 0: no range; the blocks are paired one to one. Built once
+    by the scheduler side; a push request carries it over the wire as its own fields."""
+
+    first: int = 0
+    count: int = 0
+    src_start: int = 0
+    dst_start: int = 0
+
+    def pairs_blocks(self, src: KVLayout, dst: KVLayout) -> bool:
+        """Blocks pair one to one (plan_blocks): both sides' blocks hold as many tokens, or no range."""
+        return src.block_size == dst.block_size or not self.count
+
+    def plan(self, src: KVLayout, src_ids: Sequence[int], dst: KVLayout, dst_ids: Sequence[int]) -> TransferPlan:
+        """The range's tokens, mapped through both sides' block tables (plan_cells)."""
+        src_table, dst_table = BlockTable(src_ids, self.src_start), BlockTable(dst_ids, self.dst_start)
+        return plan_cells(src, src_table, dst, dst_table, self.first, self.count)
+
+
 def _cells_of(layout: KVLayout, side: str) -> Cells:
     if layout.cells is None:
         raise ConfigError(f"the {side} KV layout does not describe its tokens and heads: only whole blocks can be planned")

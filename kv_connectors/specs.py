@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kv_connectors.plan import TokenRange
+
 # A producer rank's side channel: (engine id, or "" for whichever answers there; host; port).
 ProducerAddress = tuple[str, str, int]
 
@@ -29,13 +31,10 @@ class RecvSpec:
     # P's tensor-parallel size when its params state it (None: assume ours; the handshake checks):
     # each D rank reads from the P ranks holding its heads.
     remote_tp_size: int | None = None
-    # Tokens: the load covers the prompt's tokens [first_token, first_token + num_tokens) (0: whole
-    # blocks, paired one to one); local_block_ids[0] and remote_block_ids[0] begin at the tokens
-    # below (they differ where P's block size differs from D's).
-    first_token: int = 0
-    num_tokens: int = 0
-    local_first_token: int = 0
-    remote_first_token: int = 0
+    # The prompt tokens the load covers (none: whole blocks, paired one to one); remote_block_ids[0]
+    # begins at tokens.src_start, local_block_ids[0] at tokens.dst_start (they differ where P's block
+    # size differs from D's).
+    tokens: TokenRange = TokenRange()
     # params.prompt_digest of the prompt tokens P's KV covers: a push request carries it, and P
     # writes only if its own prompt has that digest ("" where none was computed: not checked).
     prompt_digest: str = ""

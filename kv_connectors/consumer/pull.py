@@ -22,7 +22,7 @@ from kv_connectors.consumer.tasks import (
 from kv_connectors.errors import KVConnectorError
 from kv_connectors.fence import LeaseWords, lease_word
 from kv_connectors.layout import KVLayout
-from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
+from kv_connectors.plan import TransferPlan, plan_blocks
 from kv_connectors.producer.leases import ClaimResult
 from kv_connectors.specs import ProducerAddress
 from kv_connectors.transports.base import Transport, XferState
@@ -33,11 +33,6 @@ _CLAIM_RETRY_S = 0.02  # P's worker has not added the lease yet (it does at its 
 _FENCE_MARGIN = 0.95  # of P's hold: clocks on two hosts may run at slightly different rates
 
 Fail = Callable[[RecvTask, FailReason, Exception], None]
-
-
-def pairs_blocks(task: RecvTask, remote: KVLayout, local: KVLayout) -> bool:
-    """P's blocks pair with ours one to one (plan_blocks, which refuses lists of unequal length)."""
-    return remote.block_size == local.block_size or not task.spec.num_tokens
 
 
 class Pull:
@@ -95,7 +90,7 @@ class Pull:
         task.started = started
         task.deadline = started + self._cfg.transfer_timeout_s
         claim_deadline = started + self._cfg.handshake_timeout_s
-        if peer.words is not None and plan.num_runs > 0 and pairs_blocks(task, peer.layout, self._layout):
+        if peer.words is not None and plan.num_runs > 0 and task.spec.tokens.pairs_blocks(peer.layout, self._layout):
             # The words land at our blocks' slots: P's blocks must pair with ours one to one.
             task.fence = Fence(FenceStep.AWAIT_WORDS, claim_deadline)
         else:
@@ -107,16 +102,9 @@ class Pull:
         """Blocks paired one to one where both sides' blocks hold as many tokens; else the task's
         tokens, mapped through both block tables."""
         spec = task.spec
-        if pairs_blocks(task, remote, self._layout):
+        if spec.tokens.pairs_blocks(remote, self._layout):  # plan_blocks refuses lists of unequal length
             return plan_blocks(remote, spec.remote_block_ids, self._layout, spec.local_block_ids)
-        return plan_cells(
-            remote,
-            BlockTable(spec.remote_block_ids, spec.remote_first_token),
-            self._layout,
-            BlockTable(spec.local_block_ids, spec.local_first_token),
-            spec.first_token,
-            spec.num_tokens,
-        )
+        return spec.tokens.plan(remote, spec.remote_block_ids, self._layout, spec.local_block_ids)
 
     def post(self, advance: Callable[[RecvTask], None]) -> None:
         """Post the reads planned in this progress call (their claims have left)."""

@@ -62,9 +62,10 @@ class PushLoads:
             consumer_request_id=task.request_id,
             block_ids=list(spec.local_block_ids),
             consumer_rank=self._rank,
-            first_token=spec.first_token,
-            num_tokens=spec.num_tokens,
-            consumer_first_token=spec.local_first_token,
+            # The token range as the wire has it (P's blocks begin at token 0 on P's side).
+            first_token=spec.tokens.first,
+            num_tokens=spec.tokens.count,
+            consumer_first_token=spec.tokens.dst_start,
             prompt_digest=spec.prompt_digest,
             attempt=push.attempt,
             budget_s=self._cfg.transfer_timeout_s,

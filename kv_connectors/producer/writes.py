@@ -14,7 +14,7 @@ from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import KVConnectorError
 from kv_connectors.layout import KVLayout
-from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
+from kv_connectors.plan import TokenRange, TransferPlan, plan_blocks
 from kv_connectors.producer.admission import PushBook
 from kv_connectors.producer.leases import other_prompt
 from kv_connectors.transports.base import Transport, XferState
@@ -71,11 +71,12 @@ def plan_write(
     blocks hold as many tokens (head slices planned where the TP sizes differ; D's own prefix-cache
     hits are not sent), else the tokens D asked for, mapped through both block tables."""
     src, to = (layout, dst) if regions is None else (layout.select(regions), dst.select(regions))
-    if dst.block_size == layout.block_size or not req.num_tokens:
+    # The push request's token range, as the wire carries it: P's own blocks hold the prompt from token 0.
+    tokens = TokenRange(req.first_token, req.num_tokens, src_start=0, dst_start=req.consumer_first_token)
+    if tokens.pairs_blocks(layout, dst):
         tail = own[len(own) - len(req.block_ids) :]
         return plan_blocks(src, tail, to, req.block_ids)
-    mine, theirs = BlockTable(own), BlockTable(req.block_ids, req.consumer_first_token)
-    return plan_cells(src, mine, to, theirs, req.first_token, req.num_tokens)
+    return tokens.plan(src, own, to, req.block_ids)
 
 
 class Writes:

@@ -21,7 +21,7 @@ from kv_connectors.params import (
     producer_params,
     prompt_digest,
 )
-from kv_connectors.plan import blocks_for_tokens
+from kv_connectors.plan import TokenRange, blocks_for_tokens
 from kv_connectors.specs import ProducerAddress
 from kv_connectors.vllm.compat import FINISHED_NORMALLY, unhashed_block_ids
 from kv_connectors.vllm.metadata import ConnectorMetadata, RecvSpec, SendSpec
@@ -225,10 +225,9 @@ class SchedulerSide:
             remote_block_ids=tuple(remote),
             queued_s=max(0.0, time.time() - arrived) if isinstance(arrived, (int, float)) else 0.0,
             remote_tp_size=rp.remote_tp_size,
-            first_token=first,
-            num_tokens=num_external_tokens,
-            local_first_token=first - first % self._block_size,
-            remote_first_token=first - first % p_bs,
+            tokens=TokenRange(
+                first, num_external_tokens, src_start=first - first % p_bs, dst_start=first - first % self._block_size
+            ),
             prompt_digest=_covered_digest(request, rp),
         )
 

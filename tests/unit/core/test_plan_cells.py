@@ -22,7 +22,7 @@ from kv_connectors.layout import (
     cells_of_tensor,
     token_major,
 )
-from kv_connectors.plan import BlockTable, plan_cells
+from kv_connectors.plan import BlockTable, TokenRange, plan_cells
 from kv_connectors.tp import rank_heads
 
 LAYERS = 2
@@ -249,3 +249,15 @@ def test_a_layout_known_only_to_a_heads_block_moves_whole_head_slices_but_no_tok
         np.testing.assert_array_equal(dst.tensors[layer][[5, 6], 0], src.tensors[layer][[3, 4], 1])
     with pytest.raises(ConfigError, match="tokens cannot be mapped"):
         plan_cells(opaque(src), BlockTable([3, 4]), opaque(dst), BlockTable([5, 6]), 0, 13)
+
+
+def test_a_token_range_is_planned_through_both_block_tables():
+    """TokenRange: a load's tokens and where each side's first block begins, one value. Blocks pair one
+    to one where both sides' blocks hold as many tokens or no range is given; otherwise its tokens are
+    planned as plan_cells plans them through both block tables."""
+    src, dst = Side.make("cpu", 16, 32, 0, 2, 0.0).layout(), Side.make("cpu", 16, 64, 0, 2, 0.0).layout()
+    tokens = TokenRange(40, 60, src_start=32, dst_start=0)
+    assert not tokens.pairs_blocks(src, dst) and TokenRange().pairs_blocks(src, dst) and tokens.pairs_blocks(src, src)
+    plan = tokens.plan(src, [5, 9, 3], dst, [2, 6])
+    expected = plan_cells(src, BlockTable([5, 9, 3], 32), dst, BlockTable([2, 6], 0), 40, 60)
+    assert plan.runs() == expected.runs() and plan.num_blocks == expected.num_blocks

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kv_connectors.plan import TokenRange
 from kv_connectors.specs import RecvSpec, StepMetadata
 from tests.unit.engine.engine_harness import CELL_WORDS, NUM_BLOCKS, P_PORT, Cluster, Node
 
@@ -41,10 +42,7 @@ def test_tokens_map_between_block_sizes(p_block: int, d_block: int, cached: int,
         "r1",
         local,
         () if mode == "transfer-id" else p_ids[start:],
-        first_token=cached,
-        num_tokens=N - cached,
-        local_first_token=cached,
-        remote_first_token=start * p_block,
+        tokens=TokenRange(cached, N - cached, src_start=start * p_block, dst_start=cached),
     )
     c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))
     c.run()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kv_connectors.plan import TokenRange
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
 from tests.unit.engine.engine_harness import P_PORT, Cluster
 
@@ -99,7 +100,7 @@ def test_device_ordering_between_tp_sizes():
     c = Cluster(d_tp=2, heads=2)
     d1 = c.add_rank("kv_consumer", 1, 2, fill=-1.0)
     posts = _wrap_posts(c)
-    spec = RecvSpec(ANY_P, "t1", D_BLOCKS, (), num_tokens=len(D_BLOCKS) * 4)
+    spec = RecvSpec(ANY_P, "t1", D_BLOCKS, (), tokens=TokenRange(count=len(D_BLOCKS) * 4))
     _waiting_d(c, spec, nodes=(c.d, d1))
     _forward(c, ("layer.0", "layer.1"), ready_at_end=False)
     c.run(3, nodes=(c.p,))

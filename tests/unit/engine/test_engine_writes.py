@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kv_connectors.plan import TokenRange
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
 from tests.unit.engine.engine_harness import P_PORT, Cluster
 
@@ -81,7 +82,7 @@ def test_one_decode_ranks_early_notice_waits_for_the_other_ranks_write():
     when it is added: P keeps the blocks until rank 1's write settles."""
     c = Cluster(d_tp=2, heads=2)
     d1 = c.add_rank("kv_consumer", 1, 2, fill=-1.0)
-    spec = RecvSpec(ANY_P, "t1", D_BLOCKS, (), num_tokens=len(D_BLOCKS) * 4)
+    spec = RecvSpec(ANY_P, "t1", D_BLOCKS, (), tokens=TokenRange(count=len(D_BLOCKS) * 4))
     for d in (c.d, d1):
         d.step(StepMetadata(reqs_to_recv={"d1": spec}))
     c.run(6, nodes=(c.d, d1, c.p))  # both D ranks: TP probe, handshake, push request
@@ -194,7 +195,7 @@ def test_a_decode_rank_asking_after_the_other_ranks_early_notice_is_still_served
     the prefill finished. The early notice of one rank must not end the lease the other still reads."""
     c = Cluster(d_tp=2, heads=2)
     d1 = c.add_rank("kv_consumer", 1, 2, fill=-1.0)
-    spec = RecvSpec(ANY_P, "t1", D_BLOCKS, (), num_tokens=len(D_BLOCKS) * 4)
+    spec = RecvSpec(ANY_P, "t1", D_BLOCKS, (), tokens=TokenRange(count=len(D_BLOCKS) * 4))
     c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))
     c.run(6, nodes=(c.d, d1, c.p))
     assert len(c.p.engine.parts.sender._waiting) == 1

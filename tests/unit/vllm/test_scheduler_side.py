@@ -143,7 +143,7 @@ def test_a_prefill_with_another_block_size_loads_the_tokens_d_lacks():
     side.update_state_after_alloc(a, blocks, 32)
     spec = side.build_connector_meta(OUTPUT).reqs_to_recv["a"]
     assert spec.local_block_ids == (9,) and spec.remote_block_ids == (13, 14)
-    assert (spec.first_token, spec.num_tokens, spec.local_first_token, spec.remote_first_token) == (32, 32, 32, 32)
+    assert (spec.tokens.first, spec.tokens.count, spec.tokens.dst_start, spec.tokens.src_start) == (32, 32, 32, 32)
 
     b = _request("b", "kb", n_tokens=64)
     b.kv_transfer_params |= {"remote_block_ids": [11, 12, 13], "remote_block_size": 16}  # 64 tokens fill 4
@@ -196,7 +196,7 @@ def test_d_loads_p_kv_for_a_prefix_of_its_prompt():
     side.update_state_after_alloc(d, _blocks([5, 6]), 64)
     spec = side.build_connector_meta(OUTPUT).reqs_to_recv["d"]
     assert (spec.local_block_ids, spec.remote_block_ids) == ((5, 6), (7, 8))
-    assert (spec.first_token, spec.num_tokens) == (0, 64)
+    assert (spec.tokens.first, spec.tokens.count) == (0, 64)
     assert not side.build_connector_meta(OUTPUT).reqs_failed
 
     # with 32 tokens already cached on D: the second block only
@@ -204,7 +204,7 @@ def test_d_loads_p_kv_for_a_prefix_of_its_prompt():
     assert side.get_num_new_matched_tokens(d2, 32) == (32, True)
     side.update_state_after_alloc(d2, _blocks([6]), 32)
     spec = side.build_connector_meta(OUTPUT).reqs_to_recv["d2"]
-    assert (spec.local_block_ids, spec.remote_block_ids, spec.first_token, spec.num_tokens) == ((6,), (8,), 32, 32)
+    assert (spec.local_block_ids, spec.remote_block_ids, spec.tokens.first, spec.tokens.count) == ((6,), (8,), 32, 32)
 
     # D has cached all 64: nothing to load, P is told to free its blocks
     d3 = _d_request("d3", prompt + [99], params)

@@ -235,5 +235,5 @@ def test_p_and_d_through_the_connector_with_vllms_objects():
     assert d.get_num_new_matched_tokens(dr, 32) == (48, True)
     d.update_state_after_alloc(dr, blocks([8, 9], hits=[7]), 48)
     spec = d.build_connector_meta(step((dr, [7, 8, 9], 0))).reqs_to_recv["d-1"]
-    assert (spec.local_block_ids, spec.remote_block_ids, spec.first_token, spec.num_tokens) == ((8, 9), (5, 6), 32, 48)
+    assert (spec.local_block_ids, spec.remote_block_ids, spec.tokens.first, spec.tokens.count) == ((8, 9), (5, 6), 32, 48)
     assert d.request_finished_all_groups(finish(dr, RequestStatus.FINISHED_STOPPED), ([7, 8, 9],)) == (False, None)

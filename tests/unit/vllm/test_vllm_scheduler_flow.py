@@ -43,7 +43,7 @@ def test_p_hands_off_its_blocks_and_d_loads_them_through_vllms_scheduler():
     assert d.requests["d-1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS and not step.num_scheduled_tokens
     spec = step.kv_connector_metadata.reqs_to_recv["d-1"]
     assert list(spec.local_block_ids) == d.kv_cache_manager.get_block_ids("d-1")[0]
-    assert list(spec.remote_block_ids) == blocks and (spec.first_token, spec.num_tokens) == (0, len(PROMPT))
+    assert list(spec.remote_block_ids) == blocks and (spec.tokens.first, spec.tokens.count) == (0, len(PROMPT))
 
     d.update_from_output(step, model_output(finished_recving={"d-1"}))  # D's worker loaded it
     step = d.schedule()

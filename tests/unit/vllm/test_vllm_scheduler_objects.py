@@ -146,7 +146,7 @@ def test_a_prefill_with_another_block_size_loads_the_tokens_d_lacks():
     side.update_state_after_alloc(a, blocks([9], hits=[1]), 32)
     spec = side.build_connector_meta(EMPTY).reqs_to_recv["a"]
     assert spec.local_block_ids == (9,) and spec.remote_block_ids == (13, 14)
-    assert (spec.first_token, spec.num_tokens, spec.local_first_token, spec.remote_first_token) == (32, 32, 32, 32)
+    assert (spec.tokens.first, spec.tokens.count, spec.tokens.dst_start, spec.tokens.src_start) == (32, 32, 32, 32)
 
     b = request("b", list(range(64)), {**_d_params("kb"), "remote_block_ids": [11, 12, 13], "remote_block_size": 16})
     side.get_num_new_matched_tokens(b, 0)
@@ -163,7 +163,7 @@ def test_null_blocks_and_prefix_hits_are_not_loaded():
     assert side.get_num_new_matched_tokens(d, 32) == (64, True)
     side.update_state_after_alloc(d, blocks([5, 6], hits=[3], nulls=1), 64)
     spec = side.build_connector_meta(EMPTY).reqs_to_recv["d"]
-    assert (spec.local_block_ids, spec.remote_block_ids, spec.first_token, spec.num_tokens) == ((5, 6), (8, 9), 32, 64)
+    assert (spec.local_block_ids, spec.remote_block_ids, spec.tokens.first, spec.tokens.count) == ((5, 6), (8, 9), 32, 64)
 
 
 def test_p_states_a_digest_of_its_prompt():
@@ -183,7 +183,7 @@ def test_d_loads_p_kv_for_a_prefix_of_its_prompt():
     side.update_state_after_alloc(d, blocks([5, 6]), 64)
     meta = side.build_connector_meta(EMPTY)
     spec = meta.reqs_to_recv["d"]
-    assert (spec.local_block_ids, spec.remote_block_ids, spec.first_token, spec.num_tokens) == ((5, 6), (7, 8), 0, 64)
+    assert (spec.local_block_ids, spec.remote_block_ids, spec.tokens.first, spec.tokens.count) == ((5, 6), (7, 8), 0, 64)
     assert not meta.reqs_failed and spec.report
     assert 5.0 <= spec.queued_s < 60.0
 
@@ -191,7 +191,7 @@ def test_d_loads_p_kv_for_a_prefix_of_its_prompt():
     assert side.get_num_new_matched_tokens(d2, 32) == (32, True)
     side.update_state_after_alloc(d2, blocks([6], hits=[5]), 32)
     spec = side.build_connector_meta(EMPTY).reqs_to_recv["d2"]
-    assert (spec.local_block_ids, spec.remote_block_ids, spec.first_token, spec.num_tokens) == ((6,), (8,), 32, 32)
+    assert (spec.local_block_ids, spec.remote_block_ids, spec.tokens.first, spec.tokens.count) == ((6,), (8,), 32, 32)
 
     d3 = request("d3", prompt + [99], params)
     assert side.get_num_new_matched_tokens(d3, 64) == (0, False)
