@@ -19,6 +19,7 @@ from kv_connectors.consumer.receiver import Receiver
 from kv_connectors.consumer.renewer import Renewer
 from kv_connectors.errors import TransportError
 from kv_connectors.fence import LeaseWords
+from kv_connectors.hugepages import back_with_huge_pages
 from kv_connectors.layout import KVLayout
 from kv_connectors.producer.sender import Sender
 from kv_connectors.transports.base import MemoryKind, Transport
@@ -194,6 +195,8 @@ def _registered_transport(
     if cfg.staging is Staging.ON:
         staged = _staged(cfg, name, layout, kind, device_id, make)
         return staged, staged
+    if kind is MemoryKind.HOST and cfg.host_huge_pages:  # before the engine registers (and may pin) it
+        back_with_huge_pages((r.base, r.span) for r in layout.regions)
     transport = make(name)
     try:
         transport.register(layout, kind, device_id)

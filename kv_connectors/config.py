@@ -91,6 +91,8 @@ class ConnectorConfig:
     nixl_num_threads: int = 0  # 0: NIXL's default (the copy runs inside the post call)
     mooncake_protocol: str = "tcp"
     mooncake_device_name: str = ""
+    # Host KV regions on transparent huge pages at registration (kv_connectors.hugepages).
+    host_huge_pages: bool = True
     staging: Staging = Staging.AUTO
     staging_pool_kib: int = 64 * 1024  # DEFAULT_POOL_KIB
     staging_chunk_kib: int = 4096  # parse_config: min(4096, staging_pool_kib // 8) unless set
@@ -223,6 +225,7 @@ _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
     "nixl_num_threads": _non_negative_int,
     "mooncake_protocol": _choice(("tcp", "rdma")),
     "mooncake_device_name": _string,
+    "host_huge_pages": _bool,
     "staging": lambda key, value: Staging(_choice(tuple(m.value for m in Staging))(key, value)),
     "staging_pool_kib": _positive_int,
     "staging_chunk_kib": _positive_int,

@@ -26,6 +26,7 @@ import numpy as np
 
 from kv_connectors.config import ConnectorConfig, Role
 from kv_connectors.errors import TransportError
+from kv_connectors.hugepages import back_with_huge_pages
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transports import create_transport, ucx_on_loopback
@@ -80,6 +81,7 @@ class PeerSpec:
     host: str = "127.0.0.1"  # this peer's address (Mooncake's hostname)
     netns: str = ""  # a network namespace (kvc_testing.netns) the peer process enters first
     copies: str = "real"  # staging: "skip" = a SkipCopier (the pipeline timed without its copies)
+    huge_pages: bool = True  # host KV on huge pages, as the connector registers it (config host_huge_pages)
 
     @property
     def idle_s(self) -> float:
@@ -127,7 +129,10 @@ def kv_of(spec: PeerSpec) -> tuple[list[Any], KVLayout]:
     """The spec's KV cache and its layout."""
     if spec.shape is not None:
         kv = bench_kv(spec.shape, spec.device, spec.fill)
-        return kv, bench_layout(kv, spec.shape)
+        layout = bench_layout(kv, spec.shape)
+        if spec.huge_pages and spec.memory_kind is MemoryKind.HOST:
+            back_with_huge_pages((r.base, r.span) for r in layout.regions)
+        return kv, layout
     storage = make_kv(spec.seed, spec.profile)
     return storage, layout_of(storage)
 

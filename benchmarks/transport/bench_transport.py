@@ -207,6 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--copies skip times the staging pipeline: it needs --staging on")
     if skip:
         p_spec, d_spec = dataclasses.replace(p_spec, copies="skip"), dataclasses.replace(d_spec, copies="skip")
+    huge = getattr(args, "huge_pages", "on") == "on"
+    p_spec, d_spec = dataclasses.replace(p_spec, huge_pages=huge), dataclasses.replace(d_spec, huge_pages=huge)
     hosts: netns.TwoHosts | None = getattr(args, "hosts", None)
     if hosts is not None:  # --two-hosts: P's process in its namespace; this one (D) is in D's already
         p_spec = dataclasses.replace(p_spec, host=hosts.p.address, netns=hosts.p.netns)
@@ -325,6 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "pool_peak_slots": transport.pool_stats()["peak_slots_in_use"] if args.staging == "on" else None,
             "verified": not skip,
             "copies": "skip" if skip else "real",
+            "huge_pages": huge,
         }
     finally:
         if p is not None:
@@ -415,6 +418,13 @@ def main(argv: list[str] | None = None) -> None:
         default="real",
         help="staging only: skip = copy nothing between the KV cache and the pool (bytes not verified): the "
         "pipeline timed as if gather and scatter took no CPU, as a GPU's copy engine approaches",
+    )
+    ap.add_argument(
+        "--huge-pages",
+        choices=("on", "off"),
+        default="on",
+        help="host KV on transparent huge pages, as the connector registers it (host_huge_pages); off: "
+        "PyTorch's 4 KiB pages, as vLLM allocates a CPU KV cache",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tcp-baseline", action="store_true", help="also time the same bytes over a plain TCP socket (ratio_tcp)")

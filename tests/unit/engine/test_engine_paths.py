@@ -295,3 +295,18 @@ def test_push_asking_for_more_blocks_than_p_has_is_refused():
     Cluster.recv(c.d, "d1", "r1", tuple(range(4)), P_BLOCKS + (4,))  # 4 D blocks, P holds 3
     c.run()
     assert c.d.failed_recving == {"d1"} and c.p.engine.stats.push_failures == 1
+
+
+def test_host_kv_is_put_on_huge_pages_at_registration_unless_turned_off(monkeypatch):
+    """The connector asks for huge pages over every registered host region (NIXL reads 4 KiB pages
+    about half as fast), before the transport registers them; host_huge_pages false leaves them."""
+    import kv_connectors.assembly
+
+    asked: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(kv_connectors.assembly, "back_with_huge_pages", lambda spans: asked.append(list(spans)) or 0)
+    c = Cluster()
+    regions = sorted((int(c.p.kv[i].ctypes.data), c.p.kv[i].nbytes) for i in range(len(c.p.kv)))
+    assert len(asked) == 2 and sorted(asked[0]) == regions  # P's, then D's
+    asked.clear()
+    Cluster(p_extra={"host_huge_pages": False}, d_extra={"host_huge_pages": False})
+    assert asked == []
