@@ -34,6 +34,13 @@ class Backend:
     prefix: PrefixCache | None = None  # with the prefix policy
     removed: bool = False  # taken out of the pool: its series are gone, requests in flight finish
     evicted: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while out of rotation for health
+    dp_turn: int = 0  # the transfer-id flow's next data-parallel engine (round robin)
+
+    def next_dp_rank(self) -> int:
+        """The data-parallel engine of this prefill server the next transfer-id prefill goes to."""
+        dp_size = self.side_channel.dp_size if self.side_channel is not None else 1
+        rank, self.dp_turn = self.dp_turn % dp_size, self.dp_turn + 1
+        return rank
 
     def snapshot(self) -> dict[str, Any]:
         return {

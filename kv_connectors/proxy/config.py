@@ -54,13 +54,21 @@ class PrefixSettings:
 
 @dataclass(frozen=True)
 class SideChannel:
-    """A prefill server's KV side-channel address (what D contacts in the transfer-id flow)."""
+    """A prefill server's KV side-channel address (what D contacts in the transfer-id flow). A server
+    of dp_size data-parallel engines runs one per engine, engine r's at port + r (the connector's
+    layout, as the built-in's): the proxy then picks the engine (vLLM's X-data-parallel-rank header)
+    and names its side channel to D."""
 
     host: str
     port: int
+    dp_size: int = 1
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{self.host}:{self.port}" + (f",dp={self.dp_size}" if self.dp_size > 1 else "")
+
+    def engine(self, dp_rank: int) -> SideChannel:
+        """Data-parallel engine dp_rank's side channel."""
+        return SideChannel(self.host, self.port + dp_rank)
 
 
 @dataclass(frozen=True)
@@ -161,9 +169,23 @@ def normalize_url(url: str) -> str:
     return url
 
 
+MAX_DP_SIZE = 1024
+
+
 def parse_side_channel(value: str, url: str) -> SideChannel:
-    """'host:port' or 'port' (host taken from the URL)."""
-    host, sep, port_text = value.strip().rpartition(":")
+    """'host:port' or 'port' (host taken from the URL), then ',dp=N' for a server of N data-parallel
+    engines (engine r's side channel on port + r)."""
+    address, *options = value.strip().split(",")
+    dp_size = 1
+    for option in options:
+        key, _, number = option.partition("=")
+        if key.strip() != "dp" or not number.strip().isdigit() or not 1 <= int(number) <= MAX_DP_SIZE:
+            raise ConfigError(
+                f"invalid side channel {value!r} for --prefill {url}: after HOST:PORT only ',dp=N' "
+                f"(its data-parallel engines, 1..{MAX_DP_SIZE})"
+            )
+        dp_size = int(number)
+    host, sep, port_text = address.rpartition(":")
     if not sep:
         host = httpx.URL(url).host
     host = host.strip("[]")
@@ -171,9 +193,9 @@ def parse_side_channel(value: str, url: str) -> SideChannel:
         port = int(port_text)
     except ValueError:
         port = -1
-    if not host or not 1 <= port <= 65535:
-        raise ConfigError(f"invalid side channel {value!r} for --prefill {url}: expected HOST:PORT or PORT")
-    return SideChannel(host, port)
+    if not host or not 1 <= port <= 65535 or port + dp_size - 1 > 65535:
+        raise ConfigError(f"invalid side channel {value!r} for --prefill {url}: expected HOST:PORT or PORT[,dp=N]")
+    return SideChannel(host, port, dp_size)
 
 
 def backend_spec(role: Role, url: str, side_channel: str | None = None) -> BackendSpec:
@@ -238,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         metavar=("URL", "SIDE_CHANNEL"),
-        help="prefill server base URL, optionally followed by its KV side channel HOST:PORT or PORT (repeatable)",
+        help="prefill server base URL, optionally followed by its KV side channel HOST:PORT or PORT, with ,dp=N for a "
+        "server of N data-parallel engines (repeatable)",
     )
     add("--decode", action="append", required=True, metavar="URL", help="decode server base URL (repeatable)")
     add("--host", default="127.0.0.1", help="address the proxy listens on")

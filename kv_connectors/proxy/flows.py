@@ -23,6 +23,9 @@ from .upstream import OpenStream, answer_json, open_stream, post_json
 
 logger = logging.getLogger("kv_connectors.proxy")
 
+# vLLM's API server sends a request carrying it to that data-parallel engine.
+DP_RANK_HEADER = "X-data-parallel-rank"
+
 
 @dataclass(frozen=True)
 class SubRequest:
@@ -175,9 +178,11 @@ class PairRunner:
         if failure.marks_unhealthy:
             self.ctx.pool(backend.role).mark_failed(backend, str(failure))
 
-    async def _post_prefill(self, sub: SubRequest, p: Backend, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_prefill(
+        self, sub: SubRequest, p: Backend, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         resp = await post_json(
-            self.ctx.http(), self.ctx.prefill.begin(p), self.route, body, sub.headers, self.ctx.config.prefill_timeout_s
+            self.ctx.http(), self.ctx.prefill.begin(p), self.route, body, headers or sub.headers, self.ctx.config.prefill_timeout_s
         )
         self.trace.prefill_answered()
         return answer_json(Role.PREFILL, p.url, resp)
@@ -324,9 +329,12 @@ class PairRunner:
 
     # -- transfer-id flow (Mooncake push): P and D addressed together --
 
-    async def _prefill_tid(self, sub: SubRequest, p: Backend, transfer_id: str) -> None:
+    async def _prefill_tid(self, sub: SubRequest, p: Backend, transfer_id: str, dp_rank: int | None) -> None:
+        """P's request; dp_rank: to that data-parallel engine of P (vLLM's X-data-parallel-rank), whose
+        side channel D is told."""
         body = bodies.prefill_body(sub.body, bodies.transfer_prefill_params(transfer_id), return_token_ids=False)
-        await self._post_prefill(sub, p, body)
+        headers = None if dp_rank is None else {**sub.headers, DP_RANK_HEADER: str(dp_rank)}
+        await self._post_prefill(sub, p, body, headers)
 
     async def _transfer_pair(self, a: _Attempt) -> Answer | None:
         """One P with a fresh transfer id, and D (another D only if D was never reached); None: new pair."""
@@ -336,11 +344,15 @@ class PairRunner:
         d = self._pick(Role.DECODE, a)
         assert p.side_channel is not None  # ProxyConfig guarantees it for this flow
         transfer_id = "kvc-" + uuid.uuid4().hex
-        p_task = asyncio.create_task(self._prefill_tid(a.sub, p, transfer_id))
+        side_channel, dp_rank = p.side_channel, None
+        if side_channel.dp_size > 1:  # one side channel per engine: pin P's request to the one D is told
+            dp_rank = p.next_dp_rank()
+            side_channel = side_channel.engine(dp_rank)
+        p_task = asyncio.create_task(self._prefill_tid(a.sub, p, transfer_id, dp_rank))
         handed_over = False
         try:
             while True:
-                d_body = bodies.transfer_decode_body(a.sub.body, transfer_id, p.side_channel)
+                d_body = bodies.transfer_decode_body(a.sub.body, transfer_id, side_channel)
                 d_task = asyncio.create_task(self._decode(a.sub, d, d_body))
                 try:
                     await _until_decoded_or_prefill_failed(d_task, p_task)

@@ -87,3 +87,34 @@ def test_each_data_parallel_prefill_engine_hands_its_kv_to_decode(reference, dp_
         wait_until(lambda d=d: stats(dp_prefill, dp=d).held_blocks == 0, 10, f"P engine {d} to free the blocks D read")
     sent = [stats(dp_prefill, dp=d).completed_sends - engines[d].completed_sends for d in range(DP)]
     assert sum(sent) == len(prompts) and all(n > 0 for n in sent), f"sends per P engine: {sent}"
+
+
+def test_transfer_id_flow_pins_each_prompt_to_the_engine_whose_side_channel_d_is_told(
+    reference, dp_prefill, patient_decode
+) -> None:
+    """The transfer-id flow (P and D sent at once, D told P's side channel): the proxy, told P's
+    engines (`PORT,dp=2`), sends each P request to one engine (vLLM's X-data-parallel-rank) and names
+    that engine's side channel to D, in turn; every answer equals the colocated server's and both
+    engines pushed KV to D. Without the pin, D asks engine 0 for KV that engine 1 may hold."""
+    decode_server = patient_decode
+    engines = [stats(dp_prefill, dp=d) for d in range(DP)]
+    d0 = stats(decode_server)
+    prompts = make_prompts([60, 90, 120, 150], seed=6062)
+    want = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
+    side_channel = f"127.0.0.1:{dp_prefill.side_channel_port},dp={DP}"
+    with ProxyProcess(
+        [dp_prefill.url],
+        [decode_server.url],
+        prefill_side_channels=[side_channel],
+        extra_args=["--flow", "transfer-id", *SLOW_HOST],
+    ) as proxy:
+        proxy.wait_ready()
+        got = [output_ids(generate(proxy.url, p, MAX_TOKENS, timeout=300)) for p in prompts]
+    mismatches = [(len(p), w, g) for p, w, g in zip(prompts, want, got) if w != g]
+    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
+    d1 = stats(decode_server)
+    assert d1.recv_transfers - d0.recv_transfers == len(prompts) and d1.recv_failures == d0.recv_failures
+    for d in range(DP):
+        wait_until(lambda d=d: stats(dp_prefill, dp=d).held_blocks == 0, 10, f"P engine {d} to free the blocks D read")
+    sent = [stats(dp_prefill, dp=d).completed_sends - engines[d].completed_sends for d in range(DP)]
+    assert sent == [len(prompts) // DP] * DP, f"sends per P engine: {sent}"

@@ -69,6 +69,14 @@ def test_parse_args_full() -> None:
     assert defaults.decode_only_fallback is True and defaults.local_prefill_below == 0
 
 
+def test_a_side_channel_names_its_data_parallel_engines() -> None:
+    cfg = parse_args(["--prefill", "http://p:1", "10.0.0.1:5600,dp=2", "--prefill", "http://q:1", "5700", "--decode", "d:2"])
+    dp, plain = cfg.prefill[0].side_channel, cfg.prefill[1].side_channel
+    assert dp == SideChannel("10.0.0.1", 5600, 2) and str(dp) == "10.0.0.1:5600,dp=2"
+    assert dp.engine(1) == SideChannel("10.0.0.1", 5601)
+    assert plain == SideChannel("q", 5700) and str(plain) == "q:5700"
+
+
 def test_flow_auto_is_params_unless_every_p_has_a_side_channel() -> None:
     assert parse_args(["--prefill", "p1:1", "--decode", "d:2"]).resolved_flow is Flow.PARAMS
     mixed = parse_args(["--prefill", "p1:1", "7", "--prefill", "p2:1", "--decode", "d:2"])
@@ -85,6 +93,9 @@ def test_flow_auto_is_params_unless_every_p_has_a_side_channel() -> None:
         (["--prefill", "p:1", "1", "2", "--decode", "d:2"], "--prefill takes URL [SIDE_CHANNEL]"),
         (["--prefill", "p:1", "x", "--decode", "d:2"], "invalid side channel 'x'"),
         (["--prefill", "p:1", "h:99999", "--decode", "d:2"], "invalid side channel"),
+        (["--prefill", "p:1", "h:5,dp=0", "--decode", "d:2"], "only ',dp=N'"),
+        (["--prefill", "p:1", "h:5,tp=2", "--decode", "d:2"], "only ',dp=N'"),
+        (["--prefill", "p:1", "h:65535,dp=2", "--decode", "d:2"], "invalid side channel"),
         (["--prefill", "ftp://p:1", "--decode", "d:2"], "invalid backend URL"),
         (["--prefill", "p:1", "--decode", "d:2", "--decode", "http://d:2/"], "lists a URL twice"),
         (["--prefill", "p:1", "--decode", "d:2", "--flow", "transfer-id"], "needs a side channel on every --prefill"),

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import httpx
 import pytest
 
 import kv_connectors.proxy.flows as flows
-from kv_connectors.proxy.config import Flow
+from kv_connectors.proxy.config import BackendSpec, Flow, SideChannel
 from tests.unit.proxy.proxy_fakes import (
     D1,
     D2,
@@ -63,6 +64,34 @@ async def test_bodies_carry_one_transfer_id_and_p_side_channel() -> None:
         },
     }
     assert health["flow"] == "transfer-id" and health["prefill"][0]["side_channel"] == "10.0.0.1:5710"
+
+
+async def test_a_data_parallel_p_gets_each_prompt_on_the_engine_d_is_told() -> None:
+    """P of 2 data-parallel engines, one side channel each (port + rank): P's request is pinned to an
+    engine (vLLM's X-data-parallel-rank), in turn, and D is named that engine's side channel (else D
+    asks engine 0 for KV another engine holds)."""
+    fleet = Fleet()
+    cfg = config(side_channels={})
+    cfg = dataclasses.replace(cfg, prefill=(BackendSpec(P1, SideChannel("10.0.0.1", 5600, 2)),))
+    assert cfg.resolved_flow is Flow.TRANSFER_ID
+    async with running(cfg, fleet) as (_, client):
+        for _ in range(4):
+            assert (await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3})).status_code == 200
+    p_calls = [c for c in fleet.calls if c.url == P1]
+    ranks = [c.headers.get("x-data-parallel-rank") for c in p_calls]
+    assert ranks == ["0", "1", "0", "1"]
+    ports = [_p_kv(b)["remote_port"] for b in fleet.bodies("decode")]
+    assert ports == [5600, 5601, 5600, 5601]
+    p_ids = [_p_kv(c.body)["transfer_id"] for c in p_calls]
+    assert p_ids == [_p_kv(b)["transfer_id"] for b in fleet.bodies("decode")]
+
+
+async def test_a_single_engine_p_gets_no_rank_header() -> None:
+    fleet = Fleet()
+    async with running(tid_config(), fleet) as (_, client):
+        assert (await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3})).status_code == 200
+    [p_call] = [c for c in fleet.calls if c.url == P1]
+    assert "x-data-parallel-rank" not in p_call.headers
 
 
 async def test_d_is_sent_before_p_answers() -> None:
