@@ -118,3 +118,40 @@ def test_transfer_id_flow_pins_each_prompt_to_the_engine_whose_side_channel_d_is
         wait_until(lambda d=d: stats(dp_prefill, dp=d).held_blocks == 0, 10, f"P engine {d} to free the blocks D read")
     sent = [stats(dp_prefill, dp=d).completed_sends - engines[d].completed_sends for d in range(DP)]
     assert sent == [len(prompts) // DP] * DP, f"sends per P engine: {sent}"
+
+
+@pytest.fixture(scope="module")
+def dp_decode(tiny_model) -> Iterator[VllmServer]:
+    extra = {"handshake_timeout_s": 60, "transfer_timeout_s": 120}
+    with pd_server(
+        tiny_model,
+        "kv_consumer",
+        form=ENTRY_POINT_FORM,
+        name="D-dp2",
+        max_model_len=MAX_MODEL_LEN,
+        dp=DP,
+        extra_config=extra,
+        cpu_bind="1|1",
+        cpus="1",
+    ) as d:
+        yield d
+
+
+def test_a_data_parallel_decode_loads_on_each_engine(reference, dp_prefill, dp_decode) -> None:
+    """D at `--data-parallel-size 2` too: each of D's engines has its own side channel and agent, and
+    whichever takes a request loads its KV from the P engine P's answer names; every answer equals the
+    colocated server's and both D engines loaded KV."""
+    loads0 = [stats(dp_decode, dp=d).recv_transfers for d in range(DP)]
+    prompts = make_prompts([45, 75, 105, 135, 55, 85, 115, 145], seed=6063)
+    want = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
+    with ProxyProcess([dp_prefill.url], [dp_decode.url], extra_args=SLOW_HOST) as proxy:
+        proxy.wait_ready()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: output_ids(generate(proxy.url, p, MAX_TOKENS, timeout=300)), prompts))
+    mismatches = [(len(p), w, g) for p, w, g in zip(prompts, want, got) if w != g]
+    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
+    engines = [stats(dp_decode, dp=d) for d in range(DP)]
+    assert [e.engine_id.rsplit("_", 1)[-1] for e in engines] == ["dp0", "dp1"]
+    loads = [e.recv_transfers - n for e, n in zip(engines, loads0)]
+    assert sum(loads) == len(prompts) and all(n > 0 for n in loads), f"loads per D engine: {loads}"
+    assert all(e.recv_failures == 0 for e in engines)
