@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -52,18 +53,45 @@ def dp_prefill(tiny_model) -> Iterator[VllmServer]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def patient_decode(tiny_model) -> Iterator[VllmServer]:
+def _patient_decode(tiny_model, name: str, dp: int = 1) -> VllmServer:
+    """D on core 1 with long deadlines (this module checks where the KV comes from, not how fast)."""
     extra = {"handshake_timeout_s": 60, "transfer_timeout_s": 120}
-    with pd_server(
+    pinned = {"cpu_bind": "|".join(["1"] * dp)} if dp > 1 else {}
+    return pd_server(
         tiny_model,
         "kv_consumer",
         form=ENTRY_POINT_FORM,
-        name="D-patient",
+        name=name,
         max_model_len=MAX_MODEL_LEN,
+        dp=dp,
         extra_config=extra,
         cpus="1",
-    ) as d:
+        **pinned,
+    )
+
+
+def _exact_through_proxy(reference, proxy: ProxyProcess, prompts: list[list[int]], concurrency: int = 1) -> None:
+    """Every prompt through the proxy answers as the colocated server does."""
+    want = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
+    proxy.wait_ready()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        got = list(pool.map(lambda p: output_ids(generate(proxy.url, p, MAX_TOKENS, timeout=300)), prompts))
+    mismatches = [(len(p), w, g) for p, w, g in zip(prompts, want, got) if w != g]
+    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
+
+
+def _loaded_and_sent(p: VllmServer, d: VllmServer, d0: Any, engines: list[Any], n: int) -> list[int]:
+    """D loaded all n prompts (none failed) and P's engines freed them: how many each engine sent."""
+    d1 = stats(d)
+    assert d1.recv_transfers - d0.recv_transfers == n and d1.recv_failures == d0.recv_failures
+    for e in range(DP):
+        wait_until(lambda e=e: stats(p, dp=e).held_blocks == 0, 10, f"P engine {e} to free the blocks D read")
+    return [stats(p, dp=e).completed_sends - engines[e].completed_sends for e in range(DP)]
+
+
+@pytest.fixture(scope="module")
+def patient_decode(tiny_model) -> Iterator[VllmServer]:
+    with _patient_decode(tiny_model, "D-patient") as d:
         yield d
 
 
@@ -73,19 +101,10 @@ def test_each_data_parallel_prefill_engine_hands_its_kv_to_decode(reference, dp_
     assert [e.engine_id.rsplit("_", 1)[-1] for e in engines] == ["dp0", "dp1"]  # one side channel each
     d0 = stats(decode_server)
     prompts = make_prompts([40, 70, 100, 130, 45, 75, 105, 135, 50, 80, 110, 140], seed=6061)
-    want = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
     with ProxyProcess([dp_prefill.url], [decode_server.url], extra_args=SLOW_HOST) as proxy:
-        proxy.wait_ready()
         # Concurrent: P's API server spreads them over its engines (the least loaded first).
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda p: output_ids(generate(proxy.url, p, MAX_TOKENS, timeout=300)), prompts))
-    mismatches = [(len(p), w, g) for p, w, g in zip(prompts, want, got) if w != g]
-    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
-    d1 = stats(decode_server)
-    assert d1.recv_transfers - d0.recv_transfers == len(prompts) and d1.recv_failures == d0.recv_failures
-    for d in range(DP):
-        wait_until(lambda d=d: stats(dp_prefill, dp=d).held_blocks == 0, 10, f"P engine {d} to free the blocks D read")
-    sent = [stats(dp_prefill, dp=d).completed_sends - engines[d].completed_sends for d in range(DP)]
+        _exact_through_proxy(reference, proxy, prompts, concurrency=4)
+    sent = _loaded_and_sent(dp_prefill, decode_server, d0, engines, len(prompts))
     assert sum(sent) == len(prompts) and all(n > 0 for n in sent), f"sends per P engine: {sent}"
 
 
@@ -100,7 +119,6 @@ def test_transfer_id_flow_pins_each_prompt_to_the_engine_whose_side_channel_d_is
     engines = [stats(dp_prefill, dp=d) for d in range(DP)]
     d0 = stats(decode_server)
     prompts = make_prompts([60, 90, 120, 150], seed=6062)
-    want = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
     side_channel = f"127.0.0.1:{dp_prefill.side_channel_port},dp={DP}"
     with ProxyProcess(
         [dp_prefill.url],
@@ -108,32 +126,14 @@ def test_transfer_id_flow_pins_each_prompt_to_the_engine_whose_side_channel_d_is
         prefill_side_channels=[side_channel],
         extra_args=["--flow", "transfer-id", *SLOW_HOST],
     ) as proxy:
-        proxy.wait_ready()
-        got = [output_ids(generate(proxy.url, p, MAX_TOKENS, timeout=300)) for p in prompts]
-    mismatches = [(len(p), w, g) for p, w, g in zip(prompts, want, got) if w != g]
-    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
-    d1 = stats(decode_server)
-    assert d1.recv_transfers - d0.recv_transfers == len(prompts) and d1.recv_failures == d0.recv_failures
-    for d in range(DP):
-        wait_until(lambda d=d: stats(dp_prefill, dp=d).held_blocks == 0, 10, f"P engine {d} to free the blocks D read")
-    sent = [stats(dp_prefill, dp=d).completed_sends - engines[d].completed_sends for d in range(DP)]
+        _exact_through_proxy(reference, proxy, prompts)
+    sent = _loaded_and_sent(dp_prefill, decode_server, d0, engines, len(prompts))
     assert sent == [len(prompts) // DP] * DP, f"sends per P engine: {sent}"
 
 
 @pytest.fixture(scope="module")
 def dp_decode(tiny_model) -> Iterator[VllmServer]:
-    extra = {"handshake_timeout_s": 60, "transfer_timeout_s": 120}
-    with pd_server(
-        tiny_model,
-        "kv_consumer",
-        form=ENTRY_POINT_FORM,
-        name="D-dp2",
-        max_model_len=MAX_MODEL_LEN,
-        dp=DP,
-        extra_config=extra,
-        cpu_bind="1|1",
-        cpus="1",
-    ) as d:
+    with _patient_decode(tiny_model, "D-dp2", dp=DP) as d:
         yield d
 
 
@@ -143,13 +143,8 @@ def test_a_data_parallel_decode_loads_on_each_engine(reference, dp_prefill, dp_d
     colocated server's and both D engines loaded KV."""
     loads0 = [stats(dp_decode, dp=d).recv_transfers for d in range(DP)]
     prompts = make_prompts([45, 75, 105, 135, 55, 85, 115, 145], seed=6063)
-    want = [output_ids(generate(reference.url, p, MAX_TOKENS)) for p in prompts]
     with ProxyProcess([dp_prefill.url], [dp_decode.url], extra_args=SLOW_HOST) as proxy:
-        proxy.wait_ready()
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda p: output_ids(generate(proxy.url, p, MAX_TOKENS, timeout=300)), prompts))
-    mismatches = [(len(p), w, g) for p, w, g in zip(prompts, want, got) if w != g]
-    assert not mismatches, f"PD output differs from colocated (length, expected, got): {mismatches}"
+        _exact_through_proxy(reference, proxy, prompts, concurrency=4)
     engines = [stats(dp_decode, dp=d) for d in range(DP)]
     assert [e.engine_id.rsplit("_", 1)[-1] for e in engines] == ["dp0", "dp1"]
     loads = [e.recv_transfers - n for e, n in zip(engines, loads0)]
