@@ -47,21 +47,28 @@ def _ephemeral_low() -> int:
 
 
 _ports = random.Random()
+# Every port handed out by this process: nothing binds a port between the draw and the child's
+# start, so two draws for two servers of one plan could name the same free port.
+_handed: set[int] = set()
+_handed_lock = threading.Lock()
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free on 127.0.0.1 now, drawn below the kernel's ephemeral range: a port
-    the kernel hands out (bind to port 0, outgoing connections, engines' own listeners) can then
-    never take one between this check and the child's bind (that race failed a server start)."""
+    """`n` distinct ports free on 127.0.0.1 now and never handed out by this process before, drawn
+    below the kernel's ephemeral range: a port the kernel hands out (bind to port 0, outgoing
+    connections, engines' own listeners) can then never take one between this check and the
+    child's bind (that race failed a server start)."""
     high = _ephemeral_low() - 1
     out: list[int] = []
-    for _ in range(10_000):
-        if len(out) == n:
-            return out
-        port = _ports.randint(10_000, high)
-        if port in out or not _bindable(port):
-            continue
-        out.append(port)
+    with _handed_lock:
+        for _ in range(10_000):
+            if len(out) == n:
+                _handed.update(out)
+                return out
+            port = _ports.randint(10_000, high)
+            if port in out or port in _handed or not _bindable(port):
+                continue
+            out.append(port)
     raise RuntimeError(f"no {n} free ports in 10000..{high}")
 
 
@@ -70,10 +77,13 @@ def free_port_range(n: int) -> int:
     channels: base port + DP index; or every rank's in the rank layout), below the kernel's
     ephemeral range like free_ports."""
     high = _ephemeral_low() - n
-    for _ in range(10_000):
-        base = _ports.randint(10_000, high)
-        if all(_bindable(base + i) for i in range(n)):
-            return base
+    with _handed_lock:
+        for _ in range(10_000):
+            base = _ports.randint(10_000, high)
+            ports = range(base, base + n)
+            if _handed.isdisjoint(ports) and all(_bindable(p) for p in ports):
+                _handed.update(ports)
+                return base
     raise RuntimeError(f"no {n} consecutive free ports in 10000..{high + n - 1}")
 
 

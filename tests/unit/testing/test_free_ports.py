@@ -16,3 +16,36 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
     for p in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+class _Repeating:
+    """A random source that draws the same port again, as two independent draws can."""
+
+    def __init__(self, draws: list[int]) -> None:
+        self._draws = iter(draws)
+
+    def randint(self, low: int, high: int) -> int:
+        return next(self._draws)
+
+
+def test_a_port_handed_out_once_is_not_handed_out_again(monkeypatch):
+    # Two free_port() calls for two servers of one plan drew the same port (CI: the GPU check's
+    # dry run, 'ports used twice'): nothing binds a port between the draw and the child's start.
+    import kvc_testing.procs as procs
+
+    base = 11_000  # below the ephemeral range
+    monkeypatch.setattr(procs, "_ports", _Repeating([base, base, base, base + 1, base + 1, base + 2]))
+    monkeypatch.setattr(procs, "_handed", set())
+    assert [procs.free_port(), procs.free_port()] == [base, base + 1]
+    assert procs.free_ports(1) == [base + 2]
+
+
+def test_a_range_avoids_ports_already_handed_out(monkeypatch):
+    import kvc_testing.procs as procs
+
+    base = 12_000
+    monkeypatch.setattr(procs, "_ports", _Repeating([base, base - 1, base + 10, base + 11, base + 1]))
+    monkeypatch.setattr(procs, "_handed", set())
+    assert procs.free_port() == base
+    assert procs.free_port_range(2) == base + 10  # base - 1 .. base overlaps a port handed out
+    assert procs.free_port() == base + 1  # base + 11 lies inside the range handed out
