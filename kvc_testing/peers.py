@@ -102,7 +102,7 @@ def engine_config(spec: PeerSpec) -> ConnectorConfig:
         engine_id=spec.name,
         role=Role.BOTH,
         progress_delay_us=spec.progress_delay_us,
-        nixl_num_threads=spec.num_threads or 0,
+        nixl_num_threads=ConnectorConfig.nixl_num_threads if spec.num_threads is None else spec.num_threads,
         mooncake_protocol=spec.protocol,
         side_channel_host=spec.host,
     )

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.transport.harness import add_engine_args, block_ids, engine_spec, open_side, start_p
-from kv_connectors.config import DEFAULT_CHUNK_KIB, DEFAULT_POOL_KIB
+from kv_connectors.config import DEFAULT_CHUNK_KIB, DEFAULT_POOL_KIB, ConnectorConfig
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.tp import rank_heads, source_ranks
 from kv_connectors.transports.base import Transport, XferState
@@ -316,7 +316,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "memcpy_ms": round(plan.total_bytes / statistics.median(mem) / 1e6, 3),
             "latency_us_1block": round(statistics.median(lat) * 1e6, 1) if lat else None,
             "progress_delay_us": args.progress_delay_us if args.transport == "nixl" else None,
-            "num_threads": args.num_threads if args.transport == "nixl" else None,
+            "num_threads": (ConnectorConfig.nixl_num_threads if args.num_threads is None else args.num_threads)
+            if args.transport == "nixl"
+            else None,
             "batches": batches[0],
             "max_batch": args.max_batch if args.transport == "mooncake" else None,
             "poll_us": args.poll_us,

@@ -21,7 +21,9 @@ START_TIMEOUT_S = 120.0
 def add_engine_args(ap: argparse.ArgumentParser, poll_us: float) -> None:
     """The engine knobs engine_spec reads, and the sleep between polls."""
     ap.add_argument("--progress-delay-us", type=int, default=1000, help="NIXL only: progress-thread delay")
-    ap.add_argument("--num-threads", type=int, default=None, help="NIXL only")
+    ap.add_argument(
+        "--num-threads", type=int, default=None, help="NIXL only: UCX worker threads (default: the connector's, 4; 0: inline copy)"
+    )
     ap.add_argument("--max-batch", type=int, default=1000, help="Mooncake only: runs per engine batch")
     ap.add_argument("--mooncake-protocol", default="tcp", help="Mooncake only: engine protocol")
     ap.add_argument("--poll-us", type=float, default=poll_us, help="sleep between polls (0: spin)")

@@ -64,3 +64,23 @@ def test_builtin_keys_without_effect_are_accepted_loudly(caplog: pytest.LogCaptu
         assert any(key in r.getMessage() and "no effect" in r.getMessage() for r in caplog.records), key
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key"):
         parse_config("d", "kv_consumer", {"not_a_key_anywhere": 1})
+
+
+def test_nixl_worker_threads_default_to_the_builtins_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's built-in gives its agent 4 UCX worker threads (num_threads, default 4); with NIXL's own
+    # default (0) a post copies inline on the engine thread and a fragmented table moves at 0.6-0.7
+    # of the coalesced speed (bench_transport, docs/benchmarks.md).
+    import kv_connectors.transports as transports
+
+    handed: dict[str, object] = {}
+
+    def engine(*_: object) -> object:
+        return lambda name, **kw: handed.update(kw)
+
+    monkeypatch.setattr(transports, "_engine", engine)
+    cfg = parse_config("d", "kv_consumer", {})
+    assert cfg.nixl_num_threads == 4
+    transports.create_transport("nixl", "d", cfg)
+    assert handed["num_threads"] == 4
+    transports.create_transport("nixl", "d", parse_config("d", "kv_consumer", {"nixl_num_threads": 0}))
+    assert handed["num_threads"] is None  # 0: NIXL's default, the copy inside the post call
