@@ -152,9 +152,13 @@ def build_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = 
         async with httpx.AsyncClient(transport=transport, limits=limits, trust_env=False) as client:
             ctx.client = client
             task = asyncio.create_task(checker.run()) if health_checks else None
+            for pool in (ctx.prefill, ctx.decode):
+                pool.start_events()
             try:
                 yield
             finally:
+                for pool in (ctx.prefill, ctx.decode):
+                    pool.close_events()
                 if task is not None:
                     task.cancel()
                     with suppress(asyncio.CancelledError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 
 from .config import BackendSpec, Policy, PrefixSettings, Role, SideChannel
+from .kvevents import EventPrefixCache, EventSubscriber
 from .metrics import ProxyMetrics
 from .prefix import PrefixCache, PromptKey
 
@@ -31,7 +33,8 @@ class Backend:
     served: int = 0
     failures: int = 0  # failed requests and failed health checks, all time
     consecutive_check_failures: int = 0
-    prefix: PrefixCache | None = None  # with the prefix policy
+    prefix: PrefixCache | EventPrefixCache | None = None  # with the prefix policy
+    events: EventSubscriber | None = None  # its KV event publisher's subscriber (feeds `prefix`)
     removed: bool = False  # taken out of the pool: its series are gone, requests in flight finish
     evicted: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while out of rotation for health
     dp_turn: int = 0  # the transfer-id flow's next data-parallel engine (round robin)
@@ -43,15 +46,24 @@ class Backend:
         return rank
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "healthy": self.healthy,
-            "draining": self.draining,
-            "outstanding": self.outstanding,
-            "served": self.served,
-            "failures": self.failures,
-            "side_channel": None if self.side_channel is None else str(self.side_channel),
-        } | ({} if self.prefix is None else {"prefix_chunks": len(self.prefix)})
+        return (
+            {
+                "url": self.url,
+                "healthy": self.healthy,
+                "draining": self.draining,
+                "outstanding": self.outstanding,
+                "served": self.served,
+                "failures": self.failures,
+                "side_channel": None if self.side_channel is None else str(self.side_channel),
+            }
+            | ({} if self.prefix is None else {"prefix_chunks": len(self.prefix)})
+            | self._events_snapshot()
+        )
+
+    def _events_snapshot(self) -> dict[str, Any]:
+        if not isinstance(self.prefix, EventPrefixCache) or self.events is None:
+            return {}
+        return {"kv_events": {"endpoint": self.events.endpoint, **dataclasses.asdict(self.prefix.counts)}}
 
     @property
     def available(self) -> bool:
@@ -170,11 +182,30 @@ class BackendPool:
         return next((b for b in self.backends if b.url == url), None)
 
     def _backend(self, spec: BackendSpec) -> Backend:
-        """A backend of this pool (healthy, not draining: its gauges say so from now on)."""
-        prefix = PrefixCache(self.prefix_settings.capacity) if self.policy is Policy.PREFIX else None
+        """A backend of this pool (healthy, not draining: its gauges say so from now on); with the prefix
+        policy its cache, learned from its KV events where it names a publisher (start_events listens)."""
+        settings = self.prefix_settings
+        prefix: PrefixCache | EventPrefixCache | None = None
+        events = None
+        if self.policy is Policy.PREFIX:
+            prefix = PrefixCache(settings.capacity)
+            if spec.kv_events:
+                prefix = EventPrefixCache(settings.chunk_tokens, settings.capacity, prefix)
+                events = EventSubscriber(spec.kv_events, prefix, f"{self.role.value} {spec.url}")
         self.metrics.backend_healthy.labels(self.role.value, spec.url).set(1)
         self.metrics.backend_draining.labels(self.role.value, spec.url).set(0)
-        return Backend(self.role, spec.url, spec.side_channel, prefix=prefix)
+        return Backend(self.role, spec.url, spec.side_channel, prefix=prefix, events=events)
+
+    def start_events(self) -> None:
+        """Subscribe to every KV event publisher named (the app's start-up)."""
+        for b in self.backends:
+            if b.events is not None:
+                b.events.start()
+
+    def close_events(self) -> None:
+        for b in self.backends:
+            if b.events is not None:
+                b.events.close()
 
     def add(self, spec: BackendSpec) -> Backend:
         """A new backend, in rotation at once (the health checker checks it from its next round)."""
@@ -187,6 +218,8 @@ class BackendPool:
         """Out of the pool; requests in flight on it finish (they hold the Backend)."""
         self.backends = tuple(b for b in self.backends if b is not backend)
         backend.removed = True
+        if backend.events is not None:
+            backend.events.close()
         m = self.metrics
         for series in (m.backend_healthy, m.backend_draining, m.backend_requests, m.backend_seconds):
             try:

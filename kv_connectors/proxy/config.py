@@ -7,7 +7,7 @@ import enum
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import httpx
@@ -75,6 +75,7 @@ class SideChannel:
 class BackendSpec:
     url: str
     side_channel: SideChannel | None = None
+    kv_events: str | None = None  # its vLLM KV event publisher (ZMQ endpoint): the prefix policy learns from it
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,9 @@ class ProxyConfig:
             raise ConfigError(
                 f"--prefix-balance-abs must be >= 0 and --prefix-balance-rel >= 1, got {p.balance_abs} and {p.balance_rel}"
             )
+        for role, specs, policy in (("prefill", self.prefill, self.prefill_policy), ("decode", self.decode, self.decode_policy)):
+            if policy is not Policy.PREFIX and any(s.kv_events for s in specs):
+                raise ConfigError(f"--kv-events on a {role} server needs --{role}-policy prefix (its events feed that policy)")
         if self.local_prefill_below < 0:
             raise ConfigError(f"--local-prefill-below must be >= 0, got {self.local_prefill_below}")
         if self.log_level not in LOG_LEVELS:
@@ -204,6 +208,16 @@ def backend_spec(role: Role, url: str, side_channel: str | None = None) -> Backe
     if side_channel is not None and role is Role.DECODE:
         raise ConfigError(f"a decode server has no side channel ({url} {side_channel})")
     return BackendSpec(url, parse_side_channel(side_channel, url) if side_channel is not None else None)
+
+
+def parse_kv_events(value: str) -> tuple[str, str]:
+    """'URL=tcp://HOST:PORT': a server's URL and its KV event publisher's ZMQ endpoint."""
+    url, sep, endpoint = value.partition("=")
+    scheme, _, address = endpoint.strip().partition("://")
+    host, _, port = address.rpartition(":")
+    if not sep or scheme != "tcp" or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"invalid --kv-events {value!r}: expected URL=tcp://HOST:PORT (the server's --kv-events-config endpoint)")
+    return normalize_url(url), endpoint.strip()
 
 
 def _prefill_spec(values: Sequence[str]) -> BackendSpec:
@@ -314,6 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts of fewer than N tokens go to D alone: no prefill server, no transfer (0: never). Text "
         "prompts are counted with a decode server's /tokenize when their length does not decide it",
     )
+    add(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=tcp://HOST:PORT",
+        help="the server at URL publishes vLLM's KV events there (its --kv-events-config endpoint): the prefix "
+        "policy learns what it caches from them instead of estimating (token-id prompts; --prefix-chunk-tokens "
+        "must be the servers' --block-size); repeatable",
+    )
     add("--prefix-chunk-tokens", type=int, default=16, help="prefix policy: tokens per hashed chunk (text: 4 characters a token)")
     add("--prefix-cache-chunks", type=int, default=100_000, help="prefix policy: chunks remembered per backend (LRU)")
     add("--prefix-balance-abs", type=int, default=8, help="prefix policy: in-flight difference beyond which load wins")
@@ -339,9 +362,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
             parser.error(TOY_PROXY_HINT.format(flag=flag))
     args = parser.parse_args(given)
     try:
+        events = dict(parse_kv_events(v) for v in args.kv_events)
+        prefill = tuple(_prefill_spec(v) for v in args.prefill)
+        decode = tuple(backend_spec(Role.DECODE, u) for u in args.decode)
+        unknown = sorted(set(events) - {s.url for s in (*prefill, *decode)})
+        if unknown:
+            raise ConfigError(f"--kv-events names servers that are neither --prefill nor --decode: {unknown}")
         return ProxyConfig(
-            prefill=tuple(_prefill_spec(v) for v in args.prefill),
-            decode=tuple(backend_spec(Role.DECODE, u) for u in args.decode),
+            prefill=tuple(replace(s, kv_events=events.get(s.url)) for s in prefill),
+            decode=tuple(replace(s, kv_events=events.get(s.url)) for s in decode),
             host=args.host,
             port=args.port,
             flow=Flow(args.flow),

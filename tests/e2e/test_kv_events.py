@@ -21,7 +21,9 @@ import msgspec
 import pytest
 import zmq
 
+from kv_connectors.proxy.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvc_testing.cluster import ProxyProcess, generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kvc_testing.load import proxy_health, proxy_metric
 from kvc_testing.procs import VllmServer, free_port
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -35,29 +37,6 @@ WARM_UP = make_prompts([70], seed=292)[0]
 PROMPTS = make_prompts([100, 200, 330], seed=293)  # 3, 6, 10 full blocks
 CONTROL, HELD = make_prompts([200, 200], seed=294)
 REFUSED, SENTINEL = make_prompts([130, 70], seed=295)
-
-
-# vLLM's wire format (vllm/distributed/kv_events.py), the fields a router reads: the batch is an
-# array, each event a map tagged with its class name (fields not named here are ignored).
-class BlockStored(msgspec.Struct, tag=True):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-
-
-class BlockRemoved(msgspec.Struct, tag=True):
-    block_hashes: list[bytes | int]
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
 
 
 @dataclass
@@ -286,3 +265,42 @@ def test_every_batch_arrived_and_nothing_was_cleared(cluster: Cluster) -> None:
         seqs = sub.sequence()
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), f"{sub.topic} lost batches"
         assert not [r for r in sub.events() if isinstance(r.event, AllBlocksCleared)]
+
+
+def test_our_proxy_routes_by_what_ds_events_say_it_holds(cluster: Cluster) -> None:
+    """The proxy's prefix policy fed by D's real publisher (--kv-events). D is listed twice, under two
+    spellings of its address: 'localhost' first, whose publisher endpoint is silent, then '127.0.0.1'
+    with D's events. A prompt computed through the other proxy was never routed by this one, so round
+    robin and the estimate both choose 'localhost'; D's events say it holds the prompt's blocks, so
+    every turn that extends it goes to '127.0.0.1'."""
+    d_port = int(cluster.d.url.rsplit(":", 1)[1])
+    silent, heard = f"http://localhost:{d_port}", f"http://127.0.0.1:{d_port}"
+    quiet_port = free_port()  # nobody publishes there
+    args = ["--decode-policy", "prefix", "--prefix-chunk-tokens", str(BLOCK_SIZE)]
+    args += [
+        "--kv-events",
+        f"{silent}=tcp://127.0.0.1:{quiet_port}",
+        "--kv-events",
+        f"{heard}=tcp://127.0.0.1:{cluster.d_events.port}",
+    ]
+    history = make_prompts([256], seed=296)[0]  # 8 full blocks
+    proxy = ProxyProcess([cluster.p.url], [silent, heard], extra_args=args)
+    with proxy:
+        proxy.wait_ready()
+        expected = output_ids(generate(cluster.proxy.url, history, MAX_TOKENS))  # D holds it now
+        hashes(cluster.d_events, history)  # and has said so
+        wait_until(lambda: _kv_events(proxy, heard)["batches"] > 0, 15, "the proxy to hear D's events")
+        for turn in range(3):
+            prompt = history + make_prompts([40], seed=297 + turn)[0]
+            assert output_ids(generate(proxy.url, prompt, MAX_TOKENS)) == output_ids(
+                generate(cluster.proxy.url, prompt, MAX_TOKENS)
+            )
+        assert output_ids(generate(proxy.url, history, MAX_TOKENS)) == expected
+        served = {b["url"]: b["served"] for b in proxy_health(proxy)["decode"]}
+        assert served == {silent: 0, heard: 4}, served
+        assert proxy_metric(proxy, "kvc_proxy_prefix_decisions_total", role="decode", result="hit") == 4
+        assert _kv_events(proxy, heard)["undecodable"] == 0 and _kv_events(proxy, silent)["batches"] == 0
+
+
+def _kv_events(proxy: ProxyProcess, url: str) -> dict[str, Any]:
+    return next(b["kv_events"] for b in proxy_health(proxy)["decode"] if b["url"] == url)
