@@ -211,7 +211,7 @@ class Sender:
             if (dup := self._waiting.pop(wk, None)) is not None:
                 self.writes.finish(dup, "the consumer asked again for the same request")
             consumer = self.consumers.layout(req.consumer_agent)
-            self._waiting[wk] = Write(req, self._deadline(req, received_at), consumer=consumer)
+            self._waiting[wk] = Write(req, self._deadline(req, received_at), consumer=consumer, received_at=received_at)
 
     def _check(self, write: Write, own: tuple[int, ...]) -> KVLayout | str:
         """D's layout for this push, or why it cannot be written."""

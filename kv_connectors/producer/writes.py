@@ -42,6 +42,9 @@ class Write:
     deadline: float
     handles: list[Any] = dataclasses.field(default_factory=list)
     runs: int = 0
+    nbytes: int = 0
+    received_at: float = 0.0  # D's request reached the side channel (P's clock)
+    posted_at: float = 0.0  # the (first) write was posted
     # Layer-wise only: P's blocks of the request, D's layout, regions not written yet.
     src_blocks: tuple[int, ...] = ()
     dst: KVLayout | None = None
@@ -135,7 +138,7 @@ class Writes:
             if isinstance(dst, str):
                 raise KVConnectorError(dst)
             plan = plan_write(self._layout, own, dst, req)
-            write.runs = plan.num_runs
+            write.runs, write.nbytes = plan.num_runs, plan.total_bytes
             notif = self._done(req, runs=plan.num_runs)
             if not self._book.start(req):  # D aborted it meanwhile (side-channel thread): never written
                 return
@@ -148,6 +151,7 @@ class Writes:
             self.finish(write, f"write failed: {e}")
             self._reader_done(wk[0], req.consumer_engine_id, req.consumer_rank, self._clock())
             return
+        write.posted_at = self._clock()
         self._writing[wk] = write  # its blocks are held until it settles (SendLeases: writing)
 
     # layer by layer ---------------------------------------------------------------------------
@@ -222,7 +226,9 @@ class Writes:
         try:
             plan = plan_write(self._layout, write.src_blocks, write.dst, req, todo)
             write.runs += plan.num_runs
+            write.nbytes += plan.total_bytes
             write.handles.append(self._transport.post_write(req.consumer_agent, plan, b""))
+            write.posted_at = write.posted_at or self._clock()
         except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             write.error = f"layer-wise write failed: {e}"
             write.regions_left.clear()
@@ -269,6 +275,19 @@ class Writes:
             self.finish(write, write.error)
             return
         self.pushes += 1
+        if write.received_at and write.posted_at:  # where a push's time went: D's "kv load" line's twin
+            ended = max(now, write.posted_at)  # `now` is the poll round's start: a write can end in the round it was posted
+            logger.info(
+                "kv push request=%s consumer=%s rank=%d bytes=%d descriptors=%d wait_ms=%.3f write_ms=%.3f total_ms=%.3f",
+                req.producer_request_id,
+                req.consumer_engine_id,
+                req.consumer_rank,
+                write.nbytes,
+                write.runs,
+                (write.posted_at - write.received_at) * 1e3,
+                (ended - write.posted_at) * 1e3,
+                (ended - write.received_at) * 1e3,
+            )
         if write.dst is not None:  # layer-wise: the notification follows the last write
             self.layerwise_pushes += int(write.layers_in_forward > 0)
             self._notify(write.request, self._done(write.request, runs=write.runs))

@@ -69,4 +69,8 @@ def test_first_request_after_start_up_equals_colocated(reference, fresh_pair) ->
             assert output_ids(r) == expected_ids, name
         assert all(hog.is_running() for hog in hogs), "the host was not loaded throughout"
     print(f"\n{name} (loaded host): first request {seconds[0]} s, second {seconds[1]} s")
+    for server in (p, d):  # where the first request's time went: D's handshakes, its loads' phases, P's writes
+        for line in server.log_path.read_text(errors="replace").splitlines():
+            if any(w in line for w in ("connected to producer", "kv load request", "kv push request")):
+                print(f"  {server.name}: {line[-220:]}")
     assert stats(d).recv_transfers >= 2  # D loaded both prompts (it computed neither)

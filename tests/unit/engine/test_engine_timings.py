@@ -25,7 +25,7 @@ def test_phases_of_one_load_add_up(mode: str, caplog: pytest.LogCaptureFixture) 
     c = Cluster(d_extra={"mode": mode}, d_delay_s=0.05)  # D's transport: each transfer takes 50 ms
     c.prefill_done("r1", P_BLOCKS)
     c.clock.advance(0.2)
-    with caplog.at_level(logging.INFO, logger="kv_connectors.consumer"):
+    with caplog.at_level(logging.INFO, logger="kv_connectors"):
         _recv(c, queued_s=0.3)
         c.run(40, dt=0.01)
     assert c.d.finished_recving == {"d1"} and not c.d.failed_recving
@@ -48,6 +48,16 @@ def test_phases_of_one_load_add_up(mode: str, caplog: pytest.LogCaptureFixture) 
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv load request=d1 ")]
     for key in ("bytes=", "blocks=3", "queue_ms=300.000", "handshake_ms=", "read_ms=", "total_ms=", "transfer_ms="):
         assert key in line, line
+    pushed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv push request=r1 ")]
+    if mode == "pull":
+        assert not pushed
+    else:  # P's side of the same push: from D's request to the posted write, then to its end
+        (push,) = pushed
+        fields = dict(f.split("=") for f in push.split()[2:])
+        assert fields["rank"] == "0" and int(fields["bytes"]) > 0 and int(fields["descriptors"]) >= 1, push
+        assert float(fields["write_ms"]) >= 0 and float(fields["total_ms"]) == pytest.approx(
+            float(fields["wait_ms"]) + float(fields["write_ms"]), abs=0.002
+        ), push
 
 
 def test_an_expired_lease_records_its_hold() -> None:
