@@ -374,6 +374,14 @@ def decode_events_refusal(fleet: Fleet, bin_dir: Path) -> dict[str, Any]:
     return {"command": argv, "refused": proc.returncode != 0, "exit": proc.returncode, "output": lines[-1] if lines else ""}
 
 
+def proxy_kv_events_flags(fleet: Fleet) -> list[str]:
+    """Our proxy's prefix policy fed by every server's publisher (chunks of the servers' block size)."""
+    flags = ["--prefix-chunk-tokens", str(BLOCK_SIZE)]
+    for url, port in fleet.events.items():
+        flags += ["--kv-events", f"{url}=tcp://127.0.0.1:{port}"]
+    return flags
+
+
 def router_kv(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     bin_dir = ensure_routers()
     arms = router_kv_arms(fleet)
@@ -385,8 +393,10 @@ def router_kv(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         "round_robin": run_router_arm(fleet, bin_dir, arms["round_robin"], convs(11)),
         "kv_aware": run_router_arm(fleet, bin_dir, arms["kv_aware"], convs(12)),
         "kv_aware_affinity": run_router_arm(fleet, bin_dir, arms["kv_aware_affinity"], convs(13), SESSION_HEADER),
+        # Our proxy's prefix policy learning from the same servers' events (P's and D's), for comparison.
+        "proxy_kv_events": run_multiturn(fleet, "prefix", convs(14), 8, *proxy_kv_events_flags(fleet)),
     }
-    for name in ("kv_aware", "kv_aware_affinity"):
+    for name in ("kv_aware", "kv_aware_affinity", "proxy_kv_events"):
         out[name]["vs_round_robin"] = versus(out[name], out["round_robin"])
     out["decode_kv_events"] = decode_events_refusal(fleet, bin_dir)
     return {**out, "fleet_block_size": BLOCK_SIZE, "router_pd_event_block_size": ROUTER_KV_BLOCK_SIZE}
@@ -511,14 +521,14 @@ def _fmt(x: float | None) -> str:
 
 def print_router_kv(m: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"router-kv: vllm-router ({args.conversations} conversations x {args.turns} turns), kv_aware vs round_robin:")
-    for arm in ("round_robin", "kv_aware", "kv_aware_affinity"):
+    for arm in ("round_robin", "kv_aware", "kv_aware_affinity", "proxy_kv_events"):
         r = m[arm]
         print(
             f"  {arm:17s} KV bytes/request {r['kv_bytes_per_request']:10.0f}  computed tokens P {r['p_computed_tokens']:6.0f}"
             f" D {r['d_computed_tokens']:6.0f}  D cache hits {r['d_cache_hit_tokens']:6.0f}  requests per D "
             f"{'/'.join(f'{v:.0f}' for v in r['d_requests'].values())}  TTFT mean {r['ttft_mean_ms']:7.1f} ms"
         )
-    for arm in ("kv_aware", "kv_aware_affinity"):
+    for arm in ("kv_aware", "kv_aware_affinity", "proxy_kv_events"):
         v = m[arm]["vs_round_robin"]
         print(
             f"  {arm}/round_robin: KV bytes {_fmt(v['kv_bytes'])}, P computed {_fmt(v['p_computed_tokens'])}, "
