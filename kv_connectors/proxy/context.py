@@ -28,6 +28,10 @@ class ProxyContext:
     def flow(self) -> Flow:
         return self.config.resolved_flow
 
+    def learns_from_events(self) -> bool:
+        """Some backend's prefix cache is fed by its KV events (--kv-events)."""
+        return any(b.events is not None for pool in (self.prefill, self.decode) for b in pool.backends)
+
     def pool(self, role: Role) -> BackendPool:
         return self.prefill if role is Role.PREFILL else self.decode
 

@@ -14,6 +14,7 @@ from . import seed as seeding
 from .config import Flow, Policy
 from .context import ProxyContext
 from .flows import Answer, JsonAnswer, PairRunner, Seeded, SubRequest, cancel_task
+from .prefix import prompt_key
 from .relay import RelayResponse, SeededRelayResponse
 from .seed import ContinuationRewriter
 from .trace import Mode, Trace
@@ -70,18 +71,25 @@ def _seed(ctx: ProxyContext, route: str, body: dict[str, Any], subs: list[SubReq
     )
 
 
-def _with_keys(ctx: ProxyContext, route: str, subs: list[SubRequest]) -> list[SubRequest]:
-    """Each prompt's prefix key, when a pool routes by prefix."""
+async def _with_keys(ctx: ProxyContext, route: str, subs: list[SubRequest]) -> list[SubRequest]:
+    """Each prompt's prefix key, when a pool routes by prefix: by its token ids where a pool learns from
+    KV events (text and chat tokenized by a D), else as the prompt comes."""
     cfg = ctx.config
     if Policy.PREFIX not in (cfg.prefill_policy, cfg.decode_policy):
         return subs
-    return [replace(s, key=bodies.prefix_key(route, s.body, cfg.prefix.chunk_tokens)) for s in subs]
+    chunk = cfg.prefix.chunk_tokens
+    keys = [bodies.prefix_key(route, s.body, chunk) for s in subs]
+    if ctx.learns_from_events():
+        for i, s in enumerate(subs):
+            if keys[i].text and (ids := await tokens.token_ids(ctx, route, s.body)) is not None:
+                keys[i] = prompt_key(ids, None, chunk)
+    return [replace(s, key=key) for s, key in zip(subs, keys)]
 
 
 async def dispatch(ctx: ProxyContext, route: str, body: dict[str, Any], headers: dict[str, str], trace: Trace) -> Response:
     """The client's response: D's answer as is (one prompt), merged answers (several), or a relayed stream."""
     runner = PairRunner(ctx, route, trace, bodies.is_stream(body))
-    subs = _with_keys(ctx, route, sub_requests(route, body, headers))
+    subs = await _with_keys(ctx, route, sub_requests(route, body, headers))
     seed = _seed(ctx, route, body, subs)
     try:
         answers: list[Answer | Seeded] = await gather_or_cancel([_run(ctx, route, runner, s, seed) for s in subs])

@@ -41,6 +41,25 @@ async def uncached_below(ctx: ProxyContext, route: str, body: dict[str, Any], li
 
 
 async def _tokenize(ctx: ProxyContext, route: str, body: dict[str, Any]) -> int | None:
+    answer = await _tokenized(ctx, route, body)
+    count = answer.get("count") if answer is not None else None
+    if not isinstance(count, int) or isinstance(count, bool):
+        return None
+    return count
+
+
+async def token_ids(ctx: ProxyContext, route: str, body: dict[str, Any]) -> list[int] | None:
+    """The prompt's token ids as a D's /tokenize renders them (chat: with its template), or None when no D
+    answers in time (what KV events name blocks by: the prefix policy can then match a text or chat prompt)."""
+    answer = await _tokenized(ctx, route, body)
+    ids = answer.get("tokens") if answer is not None else None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return None
+    return ids
+
+
+async def _tokenized(ctx: ProxyContext, route: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """A D's /tokenize answer for the prompt (a JSON object), or None."""
     backend = ctx.decode.peek()
     if backend is None:
         return None
@@ -53,11 +72,11 @@ async def _tokenize(ctx: ProxyContext, route: str, body: dict[str, Any]) -> int 
     try:
         with anyio.fail_after(TOKENIZE_TIMEOUT_S):
             resp = await ctx.http().post(backend.url + "/tokenize", json=request, timeout=TOKENIZE_TIMEOUT_S)
-        count = resp.json().get("count") if resp.is_success else None
-    except (httpx.HTTPError, TimeoutError, ValueError, AttributeError) as exc:
+        answer = resp.json() if resp.is_success else None
+    except (httpx.HTTPError, TimeoutError, ValueError) as exc:
         logger.debug("tokenize on %s failed: %r", backend.url, exc)
         return None
-    if not isinstance(count, int) or isinstance(count, bool):
-        logger.debug("tokenize on %s answered HTTP %d without a count", backend.url, resp.status_code)
+    if not isinstance(answer, dict):
+        logger.debug("tokenize on %s answered HTTP %d without a JSON object", backend.url, resp.status_code)
         return None
-    return count
+    return answer

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -272,7 +273,8 @@ def test_our_proxy_routes_by_what_ds_events_say_it_holds(cluster: Cluster) -> No
     spellings of its address: 'localhost' first, whose publisher endpoint is silent, then '127.0.0.1'
     with D's events. A prompt computed through the other proxy was never routed by this one, so round
     robin and the estimate both choose 'localhost'; D's events say it holds the prompt's blocks, so
-    every turn that extends it goes to '127.0.0.1'."""
+    every turn that extends it goes to '127.0.0.1'. A chat conversation likewise: the proxy matches the
+    token ids D's /tokenize renders (the chat template applied) against the events."""
     d_port = int(cluster.d.url.rsplit(":", 1)[1])
     silent, heard = f"http://localhost:{d_port}", f"http://127.0.0.1:{d_port}"
     quiet_port = free_port()  # nobody publishes there
@@ -296,10 +298,24 @@ def test_our_proxy_routes_by_what_ds_events_say_it_holds(cluster: Cluster) -> No
                 generate(cluster.proxy.url, prompt, MAX_TOKENS)
             )
         assert output_ids(generate(proxy.url, history, MAX_TOKENS)) == expected
+        opening = [{"role": "user", "content": " ".join(f"item {i} of the list" for i in range(20))}]  # ~210 tokens
+        batches = _kv_events(proxy, heard)["batches"]
+        assert _chat(cluster.proxy.url, opening).status_code == 200  # D holds the opening now
+        wait_until(lambda: _kv_events(proxy, heard)["batches"] > batches, 15, "D's events for the chat opening")
+        time.sleep(0.5)  # the load's BlockStored may follow the batch of the request's start
+        turn = [*opening, {"role": "assistant", "content": "noted"}, {"role": "user", "content": "and the next one?"}]
+        assert (
+            _chat(proxy.url, turn).json()["choices"][0]["message"] == _chat(cluster.proxy.url, turn).json()["choices"][0]["message"]
+        )
         served = {b["url"]: b["served"] for b in proxy_health(proxy)["decode"]}
-        assert served == {silent: 0, heard: 4}, served
-        assert proxy_metric(proxy, "kvc_proxy_prefix_decisions_total", role="decode", result="hit") == 4
+        assert served == {silent: 0, heard: 5}, served
+        assert proxy_metric(proxy, "kvc_proxy_prefix_decisions_total", role="decode", result="hit") == 5
         assert _kv_events(proxy, heard)["undecodable"] == 0 and _kv_events(proxy, silent)["batches"] == 0
+
+
+def _chat(url: str, messages: list[dict[str, str]]) -> httpx.Response:
+    body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
 
 def _kv_events(proxy: ProxyProcess, url: str) -> dict[str, Any]:

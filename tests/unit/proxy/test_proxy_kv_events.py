@@ -168,3 +168,30 @@ async def test_the_decode_that_stored_the_prefix_gets_the_next_turn() -> None:
     finally:
         for p in publishers.values():
             p.close()
+
+
+async def test_a_chat_prompt_is_matched_by_the_token_ids_a_d_renders() -> None:
+    """Chat carries no token ids: with --kv-events the proxy asks a D's /tokenize (the chat template
+    applied) and matches those ids against the events; without an answer it estimates, as before."""
+    publisher = Publisher()
+    fleet = Fleet(decode=(D1, D2))  # its /tokenize: one token per word plus 3, ids 0, 1, 2, ...
+    base = config(decode=(D1, D2), decode_policy=Policy.PREFIX, prefix=PrefixSettings(chunk_tokens=BLOCK))
+    specs = (BackendSpec(D1), BackendSpec(D2, kv_events=f"tcp://127.0.0.1:{publisher.port}"))
+    cfg = type(base)(**{**base.__dict__, "decode": specs})
+    messages = [{"role": "user", "content": "one two three four five six seven eight nine"}]  # 12 tokens
+    try:
+        async with running(cfg, fleet) as (app, client):
+            d2 = app.state.proxy.decode.backends[1]
+            for _ in range(100):
+                publisher.send(encoded(stored(list(range(8)), [b"c0", b"c1"])))
+                await asyncio.sleep(0.05)
+                if d2.prefix.counts.batches:
+                    break
+            assert (await client.post("/v1/chat/completions", json={"messages": messages})).status_code == 200
+            assert fleet.urls()[-1] == D2  # round robin and the estimate say D1
+            assert fleet.tokenize_calls[-1]["messages"] == messages
+            fleet.tokenize_status = 500  # no ids: estimated by text, which nobody has seen
+            assert (await client.post("/v1/chat/completions", json={"messages": messages})).status_code == 200
+            assert fleet.urls()[-1] == D1
+    finally:
+        publisher.close()
