@@ -60,7 +60,8 @@ async def _run(ctx: ProxyContext, route: str, runner: PairRunner, sub: SubReques
     prefix policy on D) is shorter than --local-prefill-below, else P and D (`seed`: first token from prefill, if P's allows)."""
     limit = ctx.config.local_prefill_below
     cached = ctx.decode.expected_match(sub.key) if sub.key is not None else 0.0
-    local = limit > 0 and await tokens.uncached_below(ctx, route, sub.body, limit, cached)
+    count = sub.key.units if sub.key is not None and not sub.key.text else None  # ids known: no second /tokenize
+    local = limit > 0 and await tokens.uncached_below(ctx, route, sub.body, limit, cached, count)
     return await runner.run(sub, Mode.LOCAL if local else Mode.DISAGGREGATED, seed=seed and not local)
 
 

@@ -22,11 +22,16 @@ TOKENIZE_TIMEOUT_S = 5.0
 _CHAT_TEMPLATE_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools")
 
 
-async def uncached_below(ctx: ProxyContext, route: str, body: dict[str, Any], limit: int, cached_share: float = 0.0) -> bool:
+async def uncached_below(
+    ctx: ProxyContext, route: str, body: dict[str, Any], limit: int, cached_share: float = 0.0, count: int | None = None
+) -> bool:
     """Whether the part of the prompt D has not cached (`cached_share`: the estimated share it has) is
     fewer than `limit` tokens; when that cannot be told (no D answers /tokenize in time), False: the
-    prompt is disaggregated as usual."""
+    prompt is disaggregated as usual. `count`: the prompt's token count where already known (its ids,
+    rendered for the prefix key), so it is not tokenized again."""
     left = 1.0 - cached_share
+    if count is not None:
+        return count * left < limit
     prompt = body.get("prompt")
     if route == COMPLETIONS and isinstance(prompt, list):
         return len(prompt) * left < limit  # token ids (one prompt of a list is its own sub-request)

@@ -17,7 +17,7 @@ from kv_connectors.proxy.kvevents import EventPrefixCache
 from kv_connectors.proxy.kvevents import KVEventBatch as OurBatch
 from kv_connectors.proxy.prefix import PrefixCache, prompt_key
 from kvc_testing.procs import free_port
-from tests.unit.proxy.proxy_fakes import D1, D2, Fleet, config, running
+from tests.unit.proxy.proxy_fakes import D1, D2, P1, Fleet, config, running
 
 pytestmark = pytest.mark.anyio
 
@@ -193,5 +193,24 @@ async def test_a_chat_prompt_is_matched_by_the_token_ids_a_d_renders() -> None:
             fleet.tokenize_status = 500  # no ids: estimated by text, which nobody has seen
             assert (await client.post("/v1/chat/completions", json={"messages": messages})).status_code == 200
             assert fleet.urls()[-1] == D1
+    finally:
+        publisher.close()
+
+
+async def test_a_chat_prompt_rendered_for_its_key_is_not_tokenized_again_for_local_prefill() -> None:
+    """With --local-prefill-below as well, the ids rendered for the prefix key give the prompt's length:
+    one /tokenize per request, and the decision is the one the count gives (12 tokens: D alone under 16,
+    P and D under 8)."""
+    publisher = Publisher()
+    messages = [{"role": "user", "content": "one two three four five six seven eight nine"}]  # 12 tokens
+    try:
+        for limit, urls in ((16, [D1]), (8, [P1, D1])):
+            fleet = Fleet(decode=(D1,))
+            cfg = config(decode_policy=Policy.PREFIX, prefix=PrefixSettings(chunk_tokens=BLOCK), local_prefill_below=limit)
+            cfg = type(cfg)(**{**cfg.__dict__, "decode": (BackendSpec(D1, kv_events=f"tcp://127.0.0.1:{publisher.port}"),)})
+            async with running(cfg, fleet) as (_, client):
+                assert (await client.post("/v1/chat/completions", json={"messages": messages})).status_code == 200
+            assert len(fleet.tokenize_calls) == 1, fleet.tokenize_calls
+            assert fleet.urls() == urls
     finally:
         publisher.close()
