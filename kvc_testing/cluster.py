@@ -53,6 +53,12 @@ def kv_transfer_config(
     return json.dumps(cfg)
 
 
+def kv_events_args(port: int, topic: str) -> list[str]:
+    """vLLM's --kv-events-config: a ZMQ publisher bound on PORT (tcp://*: binds, a host connects)."""
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": topic}
+    return ["--kv-events-config", json.dumps(cfg)]
+
+
 def pd_server(
     model: str | Path,
     role: str,

@@ -43,7 +43,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.e2e.configs import BLOCK_SIZE, settings_for
-from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, make_prompts, metric, pd_server, stats
+from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, kv_events_args, make_prompts, metric, pd_server, stats
 from kvc_testing.procs import VllmServer, free_port
 from kvc_testing.routers import RouterProcess, ensure_routers, vllm_router
 from kvc_testing.tiny_model import build_tiny_model
@@ -107,12 +107,6 @@ def tokens_by_source(url: str, source: str) -> float:
 def computed_tokens(url: str) -> float:
     """Prompt tokens a vLLM server computed itself (not from its prefix cache, not loaded from a peer)."""
     return tokens_by_source(url, "local_compute")
-
-
-def kv_events_args(port: int, topic: str) -> list[str]:
-    """vLLM's --kv-events-config: a ZMQ publisher bound on PORT (tcp://*: binds, a host connects)."""
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": topic}
-    return ["--kv-events-config", json.dumps(cfg)]
 
 
 def mean_ms(samples: Sequence[float]) -> float:

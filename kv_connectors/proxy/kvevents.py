@@ -6,8 +6,9 @@ AllBlocksCleared. A backend's `EventPrefixCache` keeps, for each block its serve
 chunk hash of that block (`prefix.prompt_key`'s chain over `block_size` token ids), so a token-id prompt's
 key matches what the server has cached, block for block, instead of what the proxy last sent it. The
 prefix chunk must be the servers' block size (`--prefix-chunk-tokens` = vLLM's `--block-size`): events of
-another block size are counted and ignored. Text and chat prompts carry no token ids in the proxy: they
-are matched by the estimating cache, as without events.
+another block size are counted and ignored. Text and chat prompts are first rendered to token ids by a
+D's /tokenize (`dispatch`, `tokens`); one that could not be rendered is matched by the estimating cache,
+as without events.
 
 A publisher's bytes are not trusted: a batch that does not decode is counted and skipped, messages are
 bounded in size, and the blocks remembered are bounded by the cache's capacity (oldest out)."""

@@ -10,7 +10,6 @@ is 32 blocks); every batch arrives (sequence numbers without a gap)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +22,17 @@ import pytest
 import zmq
 
 from kv_connectors.proxy.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvc_testing.cluster import ProxyProcess, generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kvc_testing.cluster import (
+    ProxyProcess,
+    generate,
+    kv_events_args,
+    make_prompts,
+    output_ids,
+    pd_server,
+    prefill,
+    stats,
+    wait_until,
+)
 from kvc_testing.load import proxy_health, proxy_metric
 from kvc_testing.procs import VllmServer, free_port
 from tests.e2e.conftest import MAX_MODEL_LEN
@@ -108,11 +117,6 @@ class Cluster:
     proxy: ProxyProcess
     p_events: Subscriber
     d_events: Subscriber
-
-
-def kv_events_args(port: int, topic: str) -> list[str]:
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": topic}
-    return ["--kv-events-config", json.dumps(cfg)]
 
 
 @pytest.fixture(scope="module")

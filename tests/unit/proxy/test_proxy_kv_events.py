@@ -25,12 +25,12 @@ BLOCK = 4
 PROMPT = list(range(100, 116))  # 4 blocks
 
 
-def stored(tokens: list[int], hashes: list[bytes], parent: bytes | None = None) -> BlockStored:
+def stored(tokens: list[int], hashes: list[bytes], parent: bytes | None = None, size: int = BLOCK) -> BlockStored:
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
         token_ids=tokens,
-        block_size=BLOCK,
+        block_size=size,
         lora_id=None,
         medium="GPU",
         lora_name=None,
@@ -75,18 +75,7 @@ def test_routing_alone_teaches_nothing_for_token_prompts_but_text_is_still_estim
 
 def test_other_block_sizes_unknown_parents_and_bounds() -> None:
     c = cache(capacity=3)
-    apply(
-        c,
-        BlockStored(
-            block_hashes=[b"x"],
-            parent_block_hash=None,
-            token_ids=PROMPT[:8],
-            block_size=8,
-            lora_id=None,
-            medium=None,
-            lora_name=None,
-        ),
-    )
+    apply(c, stored(PROMPT[:8], [b"x"], size=8))
     apply(c, stored(PROMPT[4:8], [b"y"], parent=b"never-seen"))
     assert (c.counts.foreign_block_size, c.counts.unchained, len(c)) == (1, 1, 0)
     apply(c, stored(PROMPT, [b"h0", b"h1", b"h2", b"h3"]))
