@@ -101,10 +101,15 @@ class EventPrefixCache:
             self.estimate.insert(key)
 
     def forget(self) -> None:
+        self.restarted()
+        self.estimate.forget()
+
+    def restarted(self) -> None:
+        """The server restarted (the subscriber's thread): none of the blocks it told of is held now. The
+        text estimate is the proxy loop's alone (an LRU it walks unlocked) and stays, as without events."""
         with self._lock:
             self._chain.clear()
             self._held.clear()
-        self.estimate.forget()
 
     def apply(self, batch: KVEventBatch) -> None:
         with self._lock:
@@ -195,7 +200,7 @@ class EventSubscriber:
                 if last_seq is not None and seq > last_seq + 1:
                     self.cache.counts.missed += seq - last_seq - 1
                 elif last_seq is not None and seq <= last_seq:  # the server restarted: it holds nothing of before
-                    self.cache.forget()
+                    self.cache.restarted()
                 last_seq = seq
                 self.cache.apply(batch)
         except zmq.ZMQError as e:

@@ -203,3 +203,30 @@ async def test_a_chat_prompt_rendered_for_its_key_is_not_tokenized_again_for_loc
             assert fleet.urls() == urls
     finally:
         publisher.close()
+
+
+async def test_a_restarted_publisher_clears_what_its_events_told_only() -> None:
+    """The sequence going back: the server restarted and holds none of the blocks it told of. The text
+    estimate (the proxy loop's own, walked without the subscriber's lock) is left as it is."""
+    from kv_connectors.proxy.kvevents import EventSubscriber
+
+    publisher = Publisher()
+    c = cache()
+    text = prompt_key("x" * 64, None, BLOCK)
+    c.insert(text)
+    subscriber = EventSubscriber(f"tcp://127.0.0.1:{publisher.port}", c, "D")
+    subscriber.start()
+    key = prompt_key(PROMPT, None, BLOCK)
+    try:
+        for _ in range(100):
+            publisher.send(encoded(stored(PROMPT, [b"h0", b"h1", b"h2", b"h3"])))  # sequence 1, 2, ...
+            await asyncio.sleep(0.05)
+            if c.match(key) == 4:
+                break
+        assert c.match(key) == 4
+        publisher.send(b"", [b"kv", (0).to_bytes(8, "big"), encoded()])  # a new process's first batch
+        await _until(lambda: c.match(key) == 0)
+        assert c.match(text) == 4
+    finally:
+        subscriber.close()
+        publisher.close()
