@@ -39,7 +39,7 @@ PROXY_ARGS = ("--health-interval-s", "0.5", "--health-timeout-s", "2")
 PROXY_LINE = re.compile(
     r"request (?P<id>\S+) \S+ mode=(?P<mode>\S+) seeded=\S+ P=(?P<p>\S+) D=(?P<d>\S+) retries=(?P<retries>\d+) "
     r"status=(?P<status>\d+) outcome=(?P<outcome>\S+) p_answer=(?P<p_answer>\S+) d_first_byte=(?P<d_first>\S+) "
-    r"total=(?P<total>[0-9.]+)s"
+    r"total=(?P<total>[0-9.]+)s(?: hedge=(?P<hedge>\S+))?"
 )
 LOAD_LINE = re.compile(r"kv load request=(?P<id>\S+) .*?(?P<phases>(?:\w+_ms=[0-9.]+ ?)+)")
 
@@ -47,8 +47,8 @@ LOAD_LINE = re.compile(r"kv load request=(?P<id>\S+) .*?(?P<phases>(?:\w+_ms=[0-
 class Fleet:
     """The colocated reference, P1, P2, D1, D2 and the proxy, started together and always stopped."""
 
-    def __init__(self, model: Path, d_config: dict[str, Any]) -> None:
-        self.model, self.d_config = model, d_config
+    def __init__(self, model: Path, d_config: dict[str, Any], hedge_prefill: str = "auto") -> None:
+        self.model, self.d_config, self.hedge_prefill = model, d_config, hedge_prefill
         self.reference = VllmServer(model, max_model_len=MAX_MODEL_LEN, name="colocated")
         self.prefill = [self._p(f"P{i}") for i in (1, 2)]
         self.decode = [self._d(f"D{i}") for i in (1, 2)]
@@ -86,7 +86,8 @@ class Fleet:
                 s.start()
             for s in servers:
                 s.wait_ready()
-            self.proxy = ProxyProcess([p.url for p in self.prefill], [d.url for d in self.decode], extra_args=PROXY_ARGS)
+            proxy_args = (*PROXY_ARGS, "--hedge-prefill", self.hedge_prefill)
+            self.proxy = ProxyProcess([p.url for p in self.prefill], [d.url for d in self.decode], extra_args=proxy_args)
             self.proxy.start()
             self.proxy.wait_ready()
             yield self
@@ -109,6 +110,7 @@ class ProxyLine:
     prefill: str
     decode: str
     outcome: str
+    hedge: str = "-"  # a hedged prefill: won (the second P answered first) or lost
 
 
 def _seconds(text: str) -> float | None:
@@ -126,6 +128,7 @@ def proxy_lines(log: str) -> list[ProxyLine]:
             m["p"],
             m["d"],
             m["outcome"],
+            m["hedge"] or "-",
         )
         for m in PROXY_LINE.finditer(log)
     ]
@@ -174,7 +177,7 @@ def breakdown(lines: Sequence[ProxyLine], loads: dict[str, dict[str, float]], na
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     model = build_tiny_model()
-    fleet = Fleet(model, json.loads(args.d_config))
+    fleet = Fleet(model, json.loads(args.d_config), args.hedge_prefill)
     with fleet.running():
         assert fleet.proxy is not None
         cases = make_cases(args.requests, seed=args.seed, max_tokens=args.max_tokens)
@@ -207,6 +210,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "p99_s": round(run.percentile(0.99), 3),
             "max_s": round(run.percentile(1.0), 3),
             "p99_over_p50": round(run.percentile(0.99) / run.percentile(0.5), 2),
+            "hedge_prefill": args.hedge_prefill,
+            "hedges": {result: sum(line.hedge == result for line in lines) for result in ("won", "lost")},
             "slowest_1pct": breakdown(slowest, loads, names),
             "all": breakdown(lines, loads, names),
             "wrong_examples": wrong[:3],
@@ -260,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--after", type=int, default=48, help="requests run once every fault is over")
     ap.add_argument("--no-faults", dest="faults", action="store_false", help="the same load with no fault")
     ap.add_argument("--d-config", default="{}", help="our connector's config for D, JSON (default: the defaults)")
+    ap.add_argument("--hedge-prefill", default="auto", help="the proxy's --hedge-prefill (auto, off, or seconds)")
     ap.add_argument("--seed", type=int, default=55)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     args = ap.parse_args(argv)
@@ -272,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"{result['requests']} requests at concurrency {result['concurrency']} in {result['wall_s']} s: "
             f"{result['wrong']} wrong, {result['lost']} lost, {result['errors']} errors; p50 {result['p50_s']} s, "
-            f"p99 {result['p99_s']} s ({result['p99_over_p50']}x), max {result['max_s']} s"
+            f"p99 {result['p99_s']} s ({result['p99_over_p50']}x), max {result['max_s']} s; "
+            f"hedged prefills ({result['hedge_prefill']}): {result['hedges']}"
         )
         print(f"faults: {result['faults']} {result['fault_problems'] or ''}")
         print(f"slowest 1%: {json.dumps(result['slowest_1pct'])}")

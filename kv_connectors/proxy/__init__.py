@@ -12,6 +12,7 @@ except ModuleNotFoundError as e:  # the proxy extra is not installed
     if e.name not in {"fastapi", "starlette", "uvicorn", "httpx", "prometheus_client"}:
         raise
     raise ModuleNotFoundError(f"the proxy needs `pip install 'kv-connectors[proxy]'` ({e})", name=e.name) from e
-from .config import BackendSpec, ConfigError, Flow, Policy, ProxyConfig, Role, SideChannel, parse_args
+from .config import BackendSpec, ConfigError, Flow, Policy, ProxyConfig, Role, SideChannel
+from .flags import parse_args
 
 __all__ = ["BackendSpec", "ConfigError", "Flow", "Policy", "ProxyConfig", "Role", "SideChannel", "build_app", "main", "parse_args"]

@@ -17,10 +17,11 @@ from starlette.requests import ClientDisconnect
 
 from . import admin, bodies
 from .backends import HealthChecker
-from .config import ProxyConfig, Role, parse_args
+from .config import ProxyConfig, Role
 from .context import ProxyContext
 from .dispatch import REQUEST_ID_HEADER, dispatch
 from .errors import Outcome, ProxyError, error_response
+from .flags import parse_args
 from .metrics import CONTENT_TYPE
 from .relay import RelayResponse
 from .trace import Trace

@@ -8,6 +8,7 @@ import httpx
 
 from .backends import BackendPool
 from .config import Flow, ProxyConfig, Role
+from .hedge import HedgePolicy
 from .metrics import ProxyMetrics
 
 
@@ -18,11 +19,13 @@ class ProxyContext:
     client: httpx.AsyncClient | None = None
     prefill: BackendPool = field(init=False)
     decode: BackendPool = field(init=False)
+    hedge: HedgePolicy = field(init=False)  # the prefill pool's
 
     def __post_init__(self) -> None:
         cfg = self.config
         self.prefill = BackendPool(Role.PREFILL, cfg.prefill, cfg.prefill_policy, self.metrics, cfg.prefix)
         self.decode = BackendPool(Role.DECODE, cfg.decode, cfg.decode_policy, self.metrics, cfg.prefix)
+        self.hedge = HedgePolicy(cfg.hedge)
 
     @property
     def flow(self) -> Flow:

@@ -13,12 +13,12 @@ from . import bodies, tokens
 from . import seed as seeding
 from .config import Flow, Policy
 from .context import ProxyContext
-from .flows import Answer, JsonAnswer, PairRunner, Seeded, SubRequest, cancel_task
+from .flows import Answer, JsonAnswer, PairRunner, Seeded, SubRequest
 from .prefix import prompt_key
 from .relay import RelayResponse, SeededRelayResponse
 from .seed import ContinuationRewriter
 from .trace import Mode, Trace
-from .upstream import OpenStream
+from .upstream import OpenStream, cancel_task
 
 REQUEST_ID_HEADER = "X-Request-Id"
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import bodies
+from . import bodies, hedge
 from . import seed as seeding
 from .backends import Backend
 from .config import Flow, Role
@@ -19,7 +19,7 @@ from .errors import FailureKind, UpstreamFailure, no_backend
 from .prefix import PromptKey
 from .seed import FirstToken
 from .trace import Mode, Trace
-from .upstream import OpenStream, answer_json, open_stream, post_json
+from .upstream import OpenStream, answer_json, cancel_task, open_stream, post_json
 
 logger = logging.getLogger("kv_connectors.proxy")
 
@@ -78,15 +78,6 @@ async def _discard(task: asyncio.Task[Any]) -> None:
     await cancel_task(task)
     if not task.cancelled() and task.exception() is None and isinstance(answer := task.result(), OpenStream):
         await answer.aclose(False)
-
-
-async def cancel_task(task: asyncio.Task[Any]) -> None:
-    """Cancel and wait for `task`; its own failure is consumed (logged at debug level)."""
-    if not task.done():
-        task.cancel()
-    await asyncio.wait({task})
-    if not task.cancelled() and task.exception() is not None:
-        logger.debug("background task ended with %r", task.exception())
 
 
 class _Budget:
@@ -245,9 +236,9 @@ class PairRunner:
             if p is None:
                 return await self._decode_only(a, Mode.FALLBACK)
             try:
-                kv_params, token_ids, answer = await self._prefill_unless_evicted(a, p, seed)
-            except UpstreamFailure as failure:
-                self._prefill_failed(p, failure, a)
+                p, (kv_params, token_ids, answer) = await self._prefill_raced(a, p, seed)
+            except UpstreamFailure as failure:  # each P it went to failed (recorded): retry within budget
+                a.budget.spend(failure, a.tried[Role.PREFILL], fallback=self._fallback)
                 continue
             if seed:
                 first, result = seeding.decide(self.route, answer, kv_params)
@@ -267,26 +258,32 @@ class PairRunner:
                         break  # D may have read (and released) P's blocks: prefill again
                     # never reached D: P still holds the blocks under its lease, same params on another D
 
-    async def _prefill_unless_evicted(
+    async def _prefill_raced(
         self, a: _Attempt, p: Backend, seed: bool
-    ) -> tuple[dict[str, Any] | None, list[int] | None, dict[str, Any]]:
-        """P's answer, unless P is evicted first (its health checks, or another request's failure to
-        reach it: a frozen or hung P keeps its connections open and never answers) and another P or D
-        alone could take the prompt: then the prefill on P is cancelled and fails as EVICTED (retried
-        elsewhere) instead of waiting out its timeout."""
-        prefill = asyncio.ensure_future(self._prefill_params(a.sub, p, seed))
-        evicted = asyncio.ensure_future(p.evicted.wait())
-        try:
-            await asyncio.wait({prefill, evicted}, return_when=asyncio.FIRST_COMPLETED)
-            if not prefill.done() and not self._may_leave(a, p):
-                return await prefill  # the prompt has nowhere else to go: wait for P (it may resume)
-        finally:
-            evicted.cancel()
-            if not prefill.done():
-                await cancel_task(prefill)  # evicted, or this request was cancelled (its client left)
-        if prefill.cancelled():
-            raise UpstreamFailure(Role.PREFILL, p.url, FailureKind.EVICTED, "was evicted by its health checks during the prefill")
-        return prefill.result()
+    ) -> tuple[Backend, tuple[dict[str, Any] | None, list[int] | None, dict[str, Any]]]:
+        """The P that answered and its answer: P's, or a second P's when P is still silent after the hedge
+        delay and that one answers first (hedge.race). A P evicted meanwhile (its health checks, or another
+        request's failure to reach it: a frozen or hung P keeps its connections open and never answers)
+        is left when the prompt can go elsewhere, instead of waiting out its timeout."""
+
+        def hedge_to() -> Backend | None:
+            second = self.ctx.prefill.pick(a.tried[Role.PREFILL] | {p}, a.sub.key)
+            if second is not None:
+                self.trace.chose(Role.PREFILL, second.url)
+            return second
+
+        won = await hedge.race(
+            p,
+            lambda b: self._prefill_params(a.sub, b, seed),
+            self.ctx.hedge,
+            hedge_to,
+            lambda b: self._may_leave(a, b),
+            lambda b, failure: self._failed(b, failure, a),
+        )
+        if won.hedged:
+            self.trace.hedge = "won" if won.by_hedge else "lost"
+            self.ctx.metrics.hedges.labels(self.trace.hedge).inc()
+        return won.backend, won.answer
 
     def _may_leave(self, a: _Attempt, p: Backend) -> bool:
         """Whether a prompt waiting on P could retry elsewhere: a retry left and another P, or D alone."""

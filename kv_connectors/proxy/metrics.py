@@ -62,6 +62,15 @@ class ProxyMetrics:
         self.fleet_changes = Counter(
             "kvc_proxy_fleet_changes", "Admin changes to the fleet: add, remove, drain, undrain", ["action"], registry=r
         )
+        self.hedges = Counter(
+            "kvc_proxy_prefill_hedges",
+            "Prefills sent to a second prefill server after the hedge delay, by whose answer was used: won (the "
+            "second's), lost (the first's)",
+            ["result"],
+            registry=r,
+        )
+        for result in ("won", "lost"):
+            self.hedges.labels(result)
         for role in ("prefill", "decode"):  # visible at 0 from the start
             self.retries.labels(role)
             self.evictions.labels(role)

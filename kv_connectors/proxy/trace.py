@@ -39,6 +39,7 @@ class Trace:
     outcome: Outcome = Outcome.OK
     mode: Mode = Mode.DISAGGREGATED
     seeded: bool = False  # the client's first token came from P (first token from prefill)
+    hedge: str = "-"  # a prefill was hedged: "won" (the second P's answer was used) or "lost"
     finished: bool = False
 
     def chose(self, role: Role, url: str) -> None:
@@ -69,7 +70,8 @@ class Trace:
         self.finished = True
         self.metrics.requests.labels(self.route, self.outcome.value).inc()
         logger.info(
-            "request %s %s mode=%s seeded=%s P=%s D=%s retries=%d status=%d outcome=%s p_answer=%s d_first_byte=%s total=%.3fs",
+            "request %s %s mode=%s seeded=%s P=%s D=%s retries=%d status=%d outcome=%s p_answer=%s d_first_byte=%s "
+            "total=%.3fs hedge=%s",
             self.request_id,
             self.route,
             self.mode.value,
@@ -82,4 +84,5 @@ class Trace:
             _seconds(self.prefill_s),
             _seconds(self.first_byte_s),
             time.perf_counter() - self.start,
+            self.hedge,
         )

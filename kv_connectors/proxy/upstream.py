@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,17 @@ from .errors import EXCERPT_CHARS, FailureKind, Outcome, ProxyError, UpstreamFai
 from .sse import EventKind, FirstOutput, error_message
 
 CONNECT_TIMEOUT_S = 5.0
+logger = logging.getLogger("kv_connectors.proxy")
+
+
+async def cancel_task(task: asyncio.Future[Any]) -> None:
+    """Cancel and wait for `task` (a call in flight: its backend sees the connection close); its own
+    failure is consumed (logged at debug level)."""
+    if not task.done():
+        task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("background task ended with %r", task.exception())
 
 
 def timeout(total_s: float) -> httpx.Timeout:

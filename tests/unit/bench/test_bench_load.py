@@ -33,6 +33,19 @@ def test_the_proxy_line_of_a_retried_request_is_read_back(caplog: pytest.LogCapt
         "ok",
     )
     assert line.p_answer_s is not None and line.d_first_s is None and line.total_s >= line.p_answer_s
+    assert line.hedge == "-"
+
+
+def test_a_hedged_prefill_is_read_back(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kv_connectors.proxy")
+    trace = Trace("h1", "/v1/completions", ProxyMetrics())
+    trace.chose(Role.PREFILL, "http://p2")
+    trace.chose(Role.PREFILL, "http://p1")
+    trace.chose(Role.DECODE, "http://d1")
+    trace.hedge = "won"
+    trace.finish(200)
+    (line,) = proxy_lines(caplog.text)
+    assert (line.prefill, line.hedge) == ("http://p2,http://p1", "won")
 
 
 def test_ds_load_line_is_read_back_with_its_phases(caplog: pytest.LogCaptureFixture) -> None:

@@ -20,7 +20,7 @@ import pytest
 from kv_connectors import checks, cli
 from kv_connectors.config import VALID_KEYS
 from kv_connectors.counters import COUNTERS, Kind, Phase
-from kv_connectors.proxy import config as proxy_config
+from kv_connectors.proxy import flags as proxy_flags
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
@@ -105,7 +105,7 @@ def _options(command: tuple[str, ...]) -> frozenset[str]:
         chosen = subs.choices[command[1]] if len(command) > 1 else parser  # type: ignore[index]
         return frozenset(chosen._option_string_actions) | frozenset(parser._option_string_actions)
     if command[0] == "kv-connectors-proxy":
-        return frozenset(proxy_config.build_parser()._option_string_actions)
+        return frozenset(proxy_flags.build_parser()._option_string_actions)
     return frozenset(FLAG.findall(_help_of_module(command[0])))
 
 

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from kv_connectors.proxy.config import parse_args
+from kv_connectors.proxy.flags import parse_args
 from tests.unit.proxy.proxy_fakes import D1, D2, P1, P2, Fleet, config, metric_value, running, tid_config
 
 pytestmark = pytest.mark.anyio

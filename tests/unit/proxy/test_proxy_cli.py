@@ -8,7 +8,8 @@ import re
 import pytest
 
 from kv_connectors import __version__
-from kv_connectors.proxy.config import DEFAULT_PORT, build_parser, parse_args
+from kv_connectors.proxy.config import DEFAULT_PORT
+from kv_connectors.proxy.flags import build_parser, parse_args
 
 VLLM_SERVE_PORT = 8000
 

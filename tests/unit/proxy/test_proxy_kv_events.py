@@ -12,7 +12,8 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from kv_connectors.proxy.config import BackendSpec, Policy, PrefixSettings, parse_args
+from kv_connectors.proxy.config import BackendSpec, Policy, PrefixSettings
+from kv_connectors.proxy.flags import parse_args
 from kv_connectors.proxy.kvevents import EventPrefixCache
 from kv_connectors.proxy.kvevents import KVEventBatch as OurBatch
 from kv_connectors.proxy.prefix import PrefixCache, prompt_key

@@ -11,7 +11,8 @@ import pytest
 
 from kv_connectors.proxy.backends import BackendPool
 from kv_connectors.proxy.bodies import SseReindexer, merge_answers, merged_usage_event, split_prompts
-from kv_connectors.proxy.config import BackendSpec, Flow, Policy, ProxyConfig, Role, SideChannel, parse_args
+from kv_connectors.proxy.config import BackendSpec, Flow, Policy, ProxyConfig, Role, SideChannel
+from kv_connectors.proxy.flags import parse_args
 from kv_connectors.proxy.metrics import ProxyMetrics
 from tests.unit.proxy.proxy_fakes import D1, D2, P1, P2, config, metric_value, sse
 

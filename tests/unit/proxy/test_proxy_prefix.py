@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kv_connectors.proxy.backends import BackendPool
-from kv_connectors.proxy.config import BackendSpec, Policy, PrefixSettings, Role, parse_args
+from kv_connectors.proxy.config import BackendSpec, Policy, PrefixSettings, Role
+from kv_connectors.proxy.flags import parse_args
 from kv_connectors.proxy.metrics import ProxyMetrics
 from kv_connectors.proxy.prefix import PrefixCache, prompt_key
 from tests.unit.proxy.proxy_fakes import D1, D2, P1, P2, Fleet, config, metric_value, running
