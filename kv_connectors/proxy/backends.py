@@ -81,11 +81,14 @@ class BackendCall:
         backend.outstanding += 1
         pool.metrics.backend_requests.labels(pool.role.value, backend.url).inc()
 
-    def end(self, ok: bool) -> None:
+    def end(self, ok: bool | None) -> None:
+        """The call is over: served (ok), failed, or None: cancelled by the proxy (counted as neither)."""
         if self.ended:
             return
         self.ended = True
         self.backend.outstanding -= 1
+        if ok is None:
+            return
         if ok:
             self.backend.served += 1
         else:

@@ -63,7 +63,7 @@ async def post_json(
 ) -> httpx.Response:
     """POST and read the whole answer; raises UpstreamFailure or ProxyError; ends `call`."""
     role, url = call.pool.role, call.backend.url
-    answered = False  # a 2xx or 4xx answer: the backend did its job
+    answered: bool | None = False  # a 2xx or 4xx answer: the backend did its job; None: we cancelled the call
     try:
         try:
             with anyio.fail_after(timeout_s):  # the whole answer, whatever the transport's own timeouts do
@@ -72,6 +72,9 @@ async def post_json(
             raise classify(role, url, exc) from exc
         except TimeoutError as exc:
             raise _deadline(role, url, timeout_s) from exc
+        except asyncio.CancelledError:  # a hedge that lost, a client that left: not the backend's failure
+            answered = None
+            raise
         answered = resp.status_code < 500
         check_status(role, url, resp)
         return resp

@@ -69,8 +69,13 @@ async def test_when_the_first_p_answers_first_the_hedge_is_cancelled() -> None:
     async with running(config((P1, P2), hedge=HedgeSettings(after_s=0.1)), fleet) as (_, client):
         resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": [1]}), 5)
         text = (await client.get("/metrics")).text
+        health = (await client.get("/health")).json()
     assert resp.status_code == 200
     assert fleet.urls() == [P1, P2, D1] and fleet[P2].cancelled == 1
+    assert [(b["served"], b["failures"], b["outstanding"]) for b in health["prefill"]] == [
+        (1, 0, 0),
+        (0, 0, 0),
+    ]  # cancelled: no failure
     assert fleet.bodies("decode")[0]["kv_transfer_params"]["remote_engine_id"] == "p1"
     assert metric_value(text, "kvc_proxy_prefill_hedges_total", result="lost") == 1
 
