@@ -131,9 +131,9 @@ class BackendPool:
         """The backend pick() would choose by round robin, without choosing it."""
         return next(iter(self._in_turn()), None)
 
-    def pick(self, exclude: Collection[Backend] = (), key: PromptKey | None = None) -> Backend | None:
+    def pick(self, exclude: Collection[Backend] = (), key: PromptKey | None = None, advance: bool = True) -> Backend | None:
         """An available backend not in `exclude`, by policy (`key`: the prompt, for the prefix policy);
-        None when there is none."""
+        None when there is none. `advance` False (a hedge): the round-robin turn stays where it was."""
         candidates = self._in_turn(exclude)
         if not candidates:
             return None
@@ -143,7 +143,8 @@ class BackendPool:
             chosen = candidates[0]
         else:  # least outstanding; a prefix policy without a key
             chosen = min(candidates, key=lambda b: b.outstanding)  # ties: round-robin order
-        self._cursor = (self.backends.index(chosen) + 1) % len(self.backends)
+        if advance:
+            self._cursor = (self.backends.index(chosen) + 1) % len(self.backends)
         return chosen
 
     def _by_prefix(self, candidates: list[Backend], key: PromptKey) -> Backend:

@@ -267,7 +267,7 @@ class PairRunner:
         is left when the prompt can go elsewhere, instead of waiting out its timeout."""
 
         def hedge_to() -> Backend | None:
-            second = self.ctx.prefill.pick(a.tried[Role.PREFILL] | {p}, a.sub.key)
+            second = self.ctx.prefill.pick(a.tried[Role.PREFILL] | {p}, a.sub.key, advance=False)
             if second is not None:
                 self.trace.chose(Role.PREFILL, second.url)
             return second

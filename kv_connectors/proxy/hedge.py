@@ -28,11 +28,11 @@ EVICTED_DURING_PREFILL = "was evicted by its health checks during the prefill"
 
 class HedgePolicy:
     """One pool's hedge delay (from its recent prefills' durations) and budget (from its recent starts),
-    and which of its backends are silent: beaten by a hedge SILENT_AFTER times in a row, with no answer of
-    theirs since (a frozen P). A prefill on a silent backend is hedged outside the budget: the hedge is
-    not extra work when the first request is not being served."""
+    and which of its backends are silent: a hedge answered before them, and no answer of theirs has come
+    since (a frozen P). A prefill on a silent backend is hedged outside the budget: the hedge is not extra
+    work when the first request is not being served, and a live backend answers soon and is silent no more."""
 
-    SILENT_AFTER = 2
+    SILENT_AFTER = 1
 
     def __init__(self, settings: HedgeSettings) -> None:
         self.settings = settings

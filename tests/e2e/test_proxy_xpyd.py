@@ -249,6 +249,32 @@ def test_bad_input_gets_openai_errors_and_proxy_keeps_serving(xpyd: XPyD, path: 
     assert run_case(xpyd.proxy.url, Case("cmpl_ids", [5, 6, 7, 8], stream=False)).ok
 
 
+def test_a_frozen_p_costs_its_prompts_the_hedge_delay(xpyd: XPyD) -> None:
+    """P2 frozen (SIGSTOP) and not evicted (health checks a minute apart, P's deadline a minute): each
+    prompt the round robin sends to P2 is hedged on P1 after 0.5 s and answered exactly, in seconds rather
+    than P's deadline; once P2 resumes, the requests the proxy cancelled on it leave no block held."""
+    cases = make_cases(6, seed=61)  # one at a time: half of them go to P2 first
+    want = expected(xpyd.reference, cases)
+    p2 = xpyd.p2
+    args = ["--health-interval-s", "60", "--prefill-timeout-s", "60", "--hedge-prefill", "0.5"]
+    with ProxyProcess([p.url for p in xpyd.prefill], [d.url for d in xpyd.decode], extra_args=args) as proxy:
+        proxy.wait_ready()
+        os.killpg(p2.pgid, signal.SIGSTOP)
+        try:
+            got = [run_case(proxy.url, case, timeout=120) for case in cases]
+        finally:
+            os.killpg(p2.pgid, signal.SIGCONT)
+        won = proxy_metric(proxy, "kvc_proxy_prefill_hedges_total", result="won")
+        retries = proxy_metric(proxy, "kvc_proxy_retries_total", role="prefill")
+    seconds = [round(g.seconds, 2) for g in got]
+    print(f"\nP2 frozen: {len(cases)} prompts one at a time in {seconds} s; hedges won {won:g}, prefill retries {retries:g}")
+    bad = compare(cases, got, want)
+    assert not bad, bad
+    assert won == len(cases) // 2 and retries == 0, (won, retries)  # every prompt sent to P2 first, none retried
+    assert max(seconds) < 20, seconds  # without the hedge: P's 60 s deadline, then a retry
+    wait_until(lambda: stats(p2).held_blocks == 0, 40, "the resumed P2 to free every block")
+
+
 def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> None:
     reference = xpyd.reference
     cases = make_cases(48, seed=33, max_tokens=96)  # long enough to be in flight on D2 when it dies

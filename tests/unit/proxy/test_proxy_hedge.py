@@ -173,19 +173,29 @@ async def _race(policy: HedgePolicy, timeout_s: float) -> hedge.Won[str] | None:
 
 
 async def test_a_silent_p_is_hedged_outside_the_budget() -> None:
-    """A P that hedges beat SILENT_AFTER times in a row, with no answer since (frozen), has each prefill
-    hedged even with the budget spent: the hedge is not extra work when the first request is not served."""
+    """A P that a hedge beat, with no answer of its own since (frozen), has each prefill hedged even with
+    the budget spent: the hedge is not extra work when the first request is not served."""
     policy = HedgePolicy(HedgeSettings(after_s=0.02, budget=0.01))
     first = await _race(policy, 1.0)
-    assert first is not None and first.by_hedge and not policy.silent(_P1)  # the new fleet's one hedge
-    assert await _race(policy, 0.3) is None  # budget spent, P1 not yet known silent: no hedge
+    assert first is not None and first.by_hedge and policy.silent(_P1)  # the new fleet's one hedge beat P1
+    policy.answered(_P1, 0.1)  # P1 answers another prompt: alive
+    assert not policy.silent(_P1) and await _race(policy, 0.3) is None  # budget spent: no hedge
     policy.beaten(_P1)
-    assert policy.silent(_P1)
     for _ in range(5):
         won = await _race(policy, 1.0)
         assert won is not None and won.backend is _P2 and won.by_hedge
-    policy.answered(_P1, 0.1)  # P1 answers again: silent no more, the budget applies
+    policy.answered(_P1, 0.1)
     assert not policy.silent(_P1) and await _race(policy, 0.3) is None
+
+
+async def test_a_hedge_leaves_the_round_robin_turn_where_it_was() -> None:
+    """P1's prompt hedged on P2: the next prompt still goes to P2 first (P2's turn), not back to P1."""
+    fleet = _fleet()
+    fleet[P1].hold = True
+    async with running(config((P1, P2), hedge=HedgeSettings(after_s=0.05)), fleet) as (_, client):
+        for _ in range(2):
+            assert (await asyncio.wait_for(client.post("/v1/completions", json={"prompt": [1]}), 5)).status_code == 200
+    assert fleet.urls() == [P1, P2, D1, P2, D1]
 
 
 def test_the_delay_is_a_multiple_of_the_p90_with_a_floor() -> None:
