@@ -32,24 +32,22 @@ class HedgePolicy:
     since (a frozen P). A prefill on a silent backend is hedged outside the budget: the hedge is not extra
     work when the first request is not being served, and a live backend answers soon and is silent no more."""
 
-    SILENT_AFTER = 1
-
     def __init__(self, settings: HedgeSettings) -> None:
         self.settings = settings
         self._durations: deque[float] = deque(maxlen=settings.window)  # answered prefills, seconds
         self._starts: deque[bool] = deque(maxlen=settings.window)  # one a prefill request sent: a hedge?
-        self._beaten: dict[str, int] = {}  # backend URL -> hedges that answered before it, in a row
+        self._silent: set[str] = set()  # backend URLs a hedge beat, with no answer of theirs since
 
     def answered(self, backend: Backend, seconds: float) -> None:
         self._durations.append(seconds)
-        self._beaten.pop(backend.url, None)
+        self._silent.discard(backend.url)
 
     def beaten(self, backend: Backend) -> None:
         """A hedge answered while `backend` had not."""
-        self._beaten[backend.url] = self._beaten.get(backend.url, 0) + 1
+        self._silent.add(backend.url)
 
     def silent(self, backend: Backend) -> bool:
-        return self._beaten.get(backend.url, 0) >= self.SILENT_AFTER
+        return backend.url in self._silent
 
     def started(self, hedge: bool) -> None:
         self._starts.append(hedge)
