@@ -343,6 +343,12 @@ class ManagedProcess:
             _track(self, False)
         return self._popen.returncode
 
+    def restart(self) -> ManagedProcess:
+        """Stop the whole group, then start the same command line again (same ports, same log)."""
+        self.stop()
+        self._popen, self.pgid = None, None
+        return self.start()
+
     def __enter__(self) -> ManagedProcess:
         if self._popen is None:
             self.start()
@@ -350,6 +356,23 @@ class ManagedProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def restart_busy(processes: Sequence[ManagedProcess], limit_cores: float, window_s: float) -> list[tuple[ManagedProcess, float]]:
+    """Restart every running process whose group used more than limit_cores of CPU over the next
+    window_s seconds (all measured over the same window); returns those restarted, with the cores
+    each used. A caller waits for a server to be ready again."""
+    running = [p for p in processes if p.is_running()]
+    before = [p.group_cpu_seconds() for p in running]
+    t0 = time.monotonic()
+    time.sleep(window_s)
+    elapsed = time.monotonic() - t0
+    busy = [(p, (p.group_cpu_seconds() - c0) / elapsed) for p, c0 in zip(running, before)]
+    busy = [(p, cores) for p, cores in busy if cores > limit_cores]
+    for p, cores in busy:
+        logger.warning("%s used %.2f cores while idle: restarting it", p.name, cores)
+        p.restart()
+    return busy
 
 
 def _source_root() -> Path | None:

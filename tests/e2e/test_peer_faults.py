@@ -15,9 +15,13 @@ import pytest
 from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
 from kvc_testing.procs import free_port
 from tests.e2e.checks import MAX_TOKENS, transfer_id_generate
-from tests.e2e.conftest import MAX_MODEL_LEN
+from tests.e2e.conftest import D_HANDSHAKE_S, MAX_MODEL_LEN
 
 FROZEN_REQUESTS = 3  # each would hold a shared side-channel thread for D's 5 s handshake deadline
+# A healthy request held behind the frozen P's handshakes would end only at their deadline (the
+# first starts 0.5 s after them): each healthy one must end well before it. An absolute bound, not
+# a ratio to the healthy latency before: a busy 2-core host moves that ratio by itself.
+HEALTHY_BOUND_S = 0.6 * D_HANDSHAKE_S
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +74,12 @@ def test_frozen_producer_delays_only_its_own_requests(reference, prefill_server,
     ratio = statistics.median(during) / statistics.median(before)
     print(
         f"\nfrozen P: healthy median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms "
-        f"(ratio {ratio:.2f}); {FROZEN_REQUESTS} requests to the frozen P failed {waited:.1f} s after the healthy ones"
+        f"(ratio {ratio:.2f}, slowest {max(during) * 1e3:.0f} ms); {FROZEN_REQUESTS} requests to the frozen P failed "
+        f"{waited:.1f} s after the healthy ones"
     )
-    assert ratio <= 1.5, (
-        f"healthy requests slowed {ratio:.2f}x while a P was frozen "
-        f"(median {statistics.median(before) * 1e3:.0f} -> {statistics.median(during) * 1e3:.0f} ms)"
+    assert max(during) < HEALTHY_BOUND_S, (
+        f"a healthy request took {max(during):.1f} s while a P was frozen (bound {HEALTHY_BOUND_S:.1f} s, D's handshake "
+        f"deadline {D_HANDSHAKE_S} s): it waited behind the frozen P's requests; latencies {[round(x, 2) for x in during]}"
     )
 
 

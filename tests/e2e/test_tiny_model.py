@@ -21,6 +21,7 @@ from kvc_testing.procs import (
     completion,
     free_port,
     free_ports,
+    restart_busy,
 )
 from kvc_testing.tiny_model import (
     MARKER_FILE,
@@ -184,6 +185,20 @@ def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 15
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
+
+
+def test_restart_busy_restarts_only_the_group_that_burns_cpu(tmp_path: Path) -> None:
+    busy = ManagedProcess([sys.executable, "-c", "while True: pass"], name="busy", log_path=tmp_path / "b.log")
+    idle = ManagedProcess(["sleep", "300"], name="idle", log_path=tmp_path / "i.log")
+    with busy, idle:
+        busy_pid, idle_pid = busy.pid, idle.pid
+        restarted = restart_busy([busy, idle], limit_cores=0.3, window_s=1.0)
+        assert [p.name for p, _ in restarted] == ["busy"], restarted
+        assert restarted[0][1] > 0.3
+        assert busy.is_running() and busy.pid != busy_pid, "the busy group was not started again"
+        assert idle.pid == idle_pid and idle.is_running()
+        with pytest.raises(ProcessLookupError):
+            os.kill(busy_pid, 0)
 
 
 def test_server_env_drops_legacy_kv_knob(monkeypatch: pytest.MonkeyPatch) -> None:
