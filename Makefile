@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults bench-load gpu-check gpu-check-ray test-ray-serve clean
+.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults bench-load bench-idle gpu-check gpu-check-ray test-ray-serve clean
 
 all: test
 
@@ -95,6 +95,11 @@ bench-faults: $(STAMP)
 # restarted, side channels fuzzed): wrong, lost, errors, p50/p99 and where the slowest waited (~5 minutes).
 bench-load: $(STAMP)
 	$(VPY) -m benchmarks.faults.bench_load $(BENCH_ARGS)
+
+# A long-lived P and D while short-lived peers come and go (stopped, killed, frozen): the cores each
+# uses while idle after every step (~6 minutes; BENCH_ARGS='--config {"nixl_num_threads": 0}' to compare).
+bench-idle: $(STAMP)
+	$(VPY) -m benchmarks.faults.bench_idle $(BENCH_ARGS)
 
 # The GPU end-to-end check on one CUDA host (benchmarks/gpu/gpu_check.py, with the host's python3 and its
 # torch): installs what it needs into .venv/gpu-check, checks every transport greedy-exact against
