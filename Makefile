@@ -97,7 +97,7 @@ bench-load: $(STAMP)
 	$(VPY) -m benchmarks.faults.bench_load $(BENCH_ARGS)
 
 # A long-lived P and D while short-lived peers come and go (stopped, killed, frozen): the cores each
-# uses while idle after every step (~6 minutes; BENCH_ARGS='--config {"nixl_num_threads": 0}' to compare).
+# uses while idle after every step (~6 minutes; BENCH_ARGS='--extra-config {"nixl_num_threads": 0}' to compare).
 bench-idle: $(STAMP)
 	$(VPY) -m benchmarks.faults.bench_idle $(BENCH_ARGS)
 

@@ -14,7 +14,7 @@ An idle P or D uses a few percent of a core. One that keeps a core busy after a 
 docs/troubleshooting.md describes ("an idle P or D keeps one core busy"); the report says after which
 step each first went over --limit cores.
 
-    python -m benchmarks.faults.bench_idle [--rounds 3] [--idle-s 5] [--limit 0.5] [--config '{"nixl_num_threads": 0}'] [--json]
+    python -m benchmarks.faults.bench_idle [--rounds 3] [--idle-s 5] [--limit 0.5] [--extra-config JSON] [--json]
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def first_over(rows: Sequence[dict[str, Any]], key: str, limit: float) -> str | 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_tiny_model()
-    config = json.loads(args.config)
+    config = json.loads(args.extra_config)
     rows: list[dict[str, Any]] = []
     t_start = time.monotonic()
     p = pd_server(model, "kv_producer", name="P-long", max_model_len=MAX_MODEL_LEN, extra_config=config)
@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle-s", type=float, default=5.0, help="how long P and D stand idle after each step")
     ap.add_argument("--limit", type=float, default=0.5, help="cores an idle server may use (report only)")
-    ap.add_argument("--config", default="{}", help="our connector's config for every server, JSON")
+    ap.add_argument("--extra-config", default="{}", help="our connector's config for every server, JSON")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a line per step")
     args = ap.parse_args(argv)
     result = run(args)
