@@ -16,9 +16,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -358,17 +358,29 @@ class ManagedProcess:
         self.stop()
 
 
-def restart_busy(processes: Sequence[ManagedProcess], limit_cores: float, window_s: float) -> list[tuple[ManagedProcess, float]]:
+_P = TypeVar("_P", bound=ManagedProcess)
+
+
+def group_cores(
+    processes: Sequence[ManagedProcess],
+    seconds: float,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[float]:
+    """The cores each process group used over the same next `seconds` (1.0: one core busy throughout)."""
+    before = [p.group_cpu_seconds() for p in processes]
+    t0 = clock()
+    sleep(seconds)
+    elapsed = max(clock() - t0, 1e-9)
+    return [(p.group_cpu_seconds() - c0) / elapsed for p, c0 in zip(processes, before)]
+
+
+def restart_busy(processes: Sequence[_P], limit_cores: float, window_s: float) -> list[tuple[_P, float]]:
     """Restart every running process whose group used more than limit_cores of CPU over the next
     window_s seconds (all measured over the same window); returns those restarted, with the cores
     each used. A caller waits for a server to be ready again."""
     running = [p for p in processes if p.is_running()]
-    before = [p.group_cpu_seconds() for p in running]
-    t0 = time.monotonic()
-    time.sleep(window_s)
-    elapsed = time.monotonic() - t0
-    busy = [(p, (p.group_cpu_seconds() - c0) / elapsed) for p, c0 in zip(running, before)]
-    busy = [(p, cores) for p, cores in busy if cores > limit_cores]
+    busy = [(p, cores) for p, cores in zip(running, group_cores(running, window_s)) if cores > limit_cores]
     for p, cores in busy:
         logger.warning("%s used %.2f cores while idle: restarting it", p.name, cores)
         p.restart()

@@ -27,14 +27,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.host import machine
 from kvc_testing.cluster import generate, make_prompts, pd_server, prefill
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, group_cores
 from kvc_testing.tiny_model import build_tiny_model
 
 MAX_MODEL_LEN = 512
@@ -106,18 +106,9 @@ def _step(long: Long, step: str) -> str:
     raise ValueError(f"unknown step {step!r}")
 
 
-def idle_cores(
-    servers: Sequence[VllmServer],
-    seconds: float,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> list[float]:
+def idle_cores(servers: Sequence[VllmServer], seconds: float) -> list[float]:
     """The cores each server's process group used over the same `seconds` of standing idle."""
-    before = [s.group_cpu_seconds() for s in servers]
-    t0 = clock()
-    sleep(seconds)
-    elapsed = max(clock() - t0, 1e-9)
-    return [round((s.group_cpu_seconds() - c0) / elapsed, 3) for s, c0 in zip(servers, before)]
+    return [round(cores, 3) for cores in group_cores(servers, seconds)]
 
 
 def first_over(rows: Sequence[dict[str, Any]], key: str, limit: float) -> str | None:

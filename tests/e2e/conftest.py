@@ -34,7 +34,6 @@ def _restart_spinning(servers: list[VllmServer], where: str) -> None:
     restarted = restart_busy(servers, IDLE_CPU_LIMIT, IDLE_WINDOW_S)
     for server, cores in restarted:
         warnings.warn(f"session server {server.name} used {cores:.2f} cores while idle after {where}: restarted", stacklevel=1)
-        assert isinstance(server, VllmServer)
         server.wait_ready()
     for proxy in _PROXIES if restarted else []:
         proxy.restart()

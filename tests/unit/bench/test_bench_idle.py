@@ -1,11 +1,13 @@
-"""The idle soak's arithmetic: the cores a group used over one shared window, and after which step a
-server first went over the limit (the report must name the step, not just that it happened)."""
+"""The idle soak's arithmetic: the cores each group used over one shared window (kvc_testing.procs
+group_cores, which the e2e suite's restart of a busy server uses too), and after which step a server
+first went over the limit (the report must name the step, not just that it happened)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.faults.bench_idle import first_over, idle_cores
+from benchmarks.faults.bench_idle import first_over
+from kvc_testing.procs import group_cores
 
 
 class FakeServer:
@@ -18,7 +20,7 @@ class FakeServer:
         return self.cpu
 
 
-def test_idle_cores_share_one_window() -> None:
+def test_group_cores_share_one_window() -> None:
     busy, quiet = FakeServer(1.0), FakeServer(0.02)
     slept: list[float] = []
     now = [100.0]
@@ -29,7 +31,7 @@ def test_idle_cores_share_one_window() -> None:
         for s in (busy, quiet):
             s.cpu += s.rate * seconds
 
-    cores = idle_cores([busy, quiet], 0.2, sleep=sleep, clock=lambda: now[0])  # type: ignore[list-item]
+    cores = [round(c, 3) for c in group_cores([busy, quiet], 0.2, sleep=sleep, clock=lambda: now[0])]  # type: ignore[list-item]
     assert slept == [0.2], "one window for every server"
     assert cores == [1.0, 0.02], cores
 
