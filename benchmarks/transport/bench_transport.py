@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.transport import kernel
 from benchmarks.transport.harness import add_engine_args, block_ids, engine_spec, open_side, start_p
 from kv_connectors.config import DEFAULT_CHUNK_KIB, DEFAULT_POOL_KIB, ConnectorConfig
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
@@ -134,6 +135,21 @@ def tcp_gbps(nbytes: int, repeat: int, hosts: netns.TwoHosts | None = None) -> l
                 conn.sendall(b"k")
         proc.join(30)
     return out
+
+
+def cma_baseline(pid: int, plan: TransferPlan, push: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """The kernel's cross-process copy of the same runs with P's process (benchmarks/transport/kernel.py),
+    on one thread and on one per core, and the transport's median against each (ratio_cma*)."""
+    if args.staging == "on" or getattr(args, "hosts", None) is not None:
+        raise SystemExit("--cma-baseline times the same runs between two processes of one host: not with --staging or --two-hosts")
+    cores = os.cpu_count() or 1
+    one = kernel.cma_gbps(pid, plan, push, args.repeat)
+    many = kernel.cma_gbps(pid, plan, push, args.repeat, threads=cores)
+    return {
+        "cma_gbps": round(statistics.median(one), 3),
+        "cma_threads": cores,
+        "cma_gbps_threads": round(statistics.median(many), 3),
+    }
 
 
 def tp_shapes(args: argparse.Namespace) -> tuple[Shape, Shape]:
@@ -273,6 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gbps = [plan.total_bytes / s / 1e9 for s in secs]
         mem = memcpy_gbps(plan.total_bytes, args.repeat)
         tcp = tcp_gbps(plan.total_bytes, args.repeat, hosts) if args.tcp_baseline else []
+        cma = cma_baseline(p.proc.pid, plan, push, args) if getattr(args, "cma_baseline", False) else {}
         return {
             "transport": args.transport,
             "path": "two hosts (network namespaces, veth and bridge)" if hosts else "loopback",
@@ -312,6 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if tcp
                 else {}
             ),
+            **cma,
             "xfer_ms": round(statistics.median(secs) * 1e3, 3),
             "memcpy_ms": round(plan.total_bytes / statistics.median(mem) / 1e6, 3),
             "latency_us_1block": round(statistics.median(lat) * 1e6, 1) if lat else None,
@@ -372,6 +390,13 @@ def report(r: dict[str, Any]) -> None:
     if "tcp_gbps" in r:
         where = "loopback" if r.get("path", "loopback") == "loopback" else "P's namespace to D's"
         print(f"raw TCP, {where} (two processes, sendall/recv_into): median {r['tcp_gbps']:.2f} GB/s; ratio {r['ratio_tcp']:.3f}")
+    if "cma_gbps" in r:
+        print(
+            f"kernel cross-process copy of the same runs (process_vm_{'writev' if r['mode'] == 'push' else 'readv'}, "
+            f"{kernel.IOV_MAX} runs a call): 1 thread {r['cma_gbps']:.2f} GB/s ({r['cma_gbps'] / r['memcpy_gbps']:.3f} of memcpy), "
+            f"{r['cma_threads']} threads {r['cma_gbps_threads']:.2f} GB/s ({r['cma_gbps_threads'] / r['memcpy_gbps']:.3f}); "
+            f"transport/kernel {r['gbps'] / r['cma_gbps']:.3f} and {r['gbps'] / r['cma_gbps_threads']:.3f}"
+        )
     if r["staging"]:
         print(
             f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak {r['pool_peak_slots']} slots in use (D)"
@@ -429,6 +454,12 @@ def main(argv: list[str] | None = None) -> None:
         "PyTorch's 4 KiB pages, as vLLM allocates a CPU KV cache",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cma-baseline",
+        action="store_true",
+        help="also time the kernel's cross-process copy (process_vm_readv/writev) of the same runs with P: "
+        "one thread, and one per core",
+    )
     ap.add_argument("--tcp-baseline", action="store_true", help="also time the same bytes over a plain TCP socket (ratio_tcp)")
     ap.add_argument(
         "--sweep",
