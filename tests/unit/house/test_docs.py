@@ -35,7 +35,7 @@ def _rel(path: Path) -> str:
 
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[`*]", "", heading.strip().lower())  # underscores stay, as in GitHub's anchors
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
