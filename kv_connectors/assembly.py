@@ -24,6 +24,7 @@ from kv_connectors.layout import KVLayout
 from kv_connectors.producer.sender import Sender
 from kv_connectors.transports.base import MemoryKind, Transport
 from kv_connectors.transports.staging import StagedTransport
+from kv_connectors.transports.staging.direct import FragmentRule
 
 logger = logging.getLogger(__name__)
 
@@ -191,9 +192,16 @@ def _registered_transport(
     cfg: ConnectorConfig, name: str, layout: KVLayout, kind: MemoryKind, device_id: int, make: TransportFactory
 ) -> tuple[Transport, StagedTransport | None]:
     """The transport with the KV cache registered: directly, or through a staging pool when asked
-    (staging=on) or when device memory cannot be registered (staging=auto)."""
+    (staging=on) or when device memory cannot be registered (staging=auto); both with staging=fragmented
+    (plans of many short runs through the pool, the rest directly)."""
     if cfg.staging is Staging.ON:
         staged = _staged(cfg, name, layout, kind, device_id, make)
+        return staged, staged
+    if cfg.staging is Staging.FRAGMENTED:
+        if kind is MemoryKind.HOST and cfg.host_huge_pages:
+            back_with_huge_pages((r.base, r.span) for r in layout.regions)
+        rule = FragmentRule(cfg.staging_fragment_runs, cfg.staging_fragment_kib * 1024)
+        staged = _staged(cfg, name, layout, kind, device_id, make, rule)
         return staged, staged
     if kind is MemoryKind.HOST and cfg.host_huge_pages:  # before the engine registers (and may pin) it
         back_with_huge_pages((r.base, r.span) for r in layout.regions)
@@ -215,11 +223,18 @@ def _registered_transport(
 
 
 def _staged(
-    cfg: ConnectorConfig, name: str, layout: KVLayout, kind: MemoryKind, device_id: int, make: TransportFactory
+    cfg: ConnectorConfig,
+    name: str,
+    layout: KVLayout,
+    kind: MemoryKind,
+    device_id: int,
+    make: TransportFactory,
+    fragments: FragmentRule | None = None,
 ) -> StagedTransport:
     inner = make(name)
     try:
-        staged = StagedTransport(inner, pool_bytes=cfg.staging_pool_kib * 1024, chunk_bytes=cfg.staging_chunk_kib * 1024)
+        pool, chunk = cfg.staging_pool_kib * 1024, cfg.staging_chunk_kib * 1024
+        staged = StagedTransport(inner, pool_bytes=pool, chunk_bytes=chunk, fragments=fragments)
         staged.register(layout, kind, device_id)
     except BaseException:
         inner.close()

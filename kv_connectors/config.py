@@ -26,11 +26,14 @@ class TransferMode(enum.Enum):
 
 
 class Staging(enum.Enum):
-    """CPU staging through a bounded host pool: auto = only when device memory cannot be registered."""
+    """CPU staging through a bounded host pool: auto = only when device memory cannot be registered;
+    fragmented = the KV cache registered too, and only plans of many short runs staged (a
+    transport's cost per run; kv_connectors.transports.staging.direct)."""
 
     AUTO = "auto"
     ON = "on"
     OFF = "off"
+    FRAGMENTED = "fragmented"
 
 
 class PortLayout(enum.Enum):
@@ -99,6 +102,9 @@ class ConnectorConfig:
     staging: Staging = Staging.AUTO
     staging_pool_kib: int = 64 * 1024  # DEFAULT_POOL_KIB
     staging_chunk_kib: int = 4096  # parse_config: min(4096, staging_pool_kib // 8) unless set
+    # staging "fragmented": a plan of at least this many runs, averaging under this many KiB, is staged
+    staging_fragment_runs: int = 256
+    staging_fragment_kib: int = 64
     # P, transfer-id flow: write each layer's blocks to a waiting D as soon as the layer is computed.
     layerwise: bool = True
     # The longest wait after a vLLM step that scheduled no token and finished no transfer, before the
@@ -144,6 +150,10 @@ _NIXL_BACKENDS = ("UCX",)
 MAX_IDLE_WAIT_MS = 100.0  # a new request may wait this long for an idle step to end
 DEFAULT_POOL_KIB = 64 * 1024  # staging pool when not set
 DEFAULT_CHUNK_KIB = 4096  # staging chunk when not set: this, or pool / 8 for pools under 32 MiB
+# With staging "fragmented", Mooncake over TCP moved a shuffled 256 MiB table in 16 KiB blocks 2.1x
+# faster through 128 MiB in 16 MiB chunks than directly; through 64 MiB in 4 MiB chunks no faster.
+DEFAULT_FRAGMENTED_POOL_KIB = 128 * 1024
+DEFAULT_FRAGMENTED_CHUNK_KIB = 16 * 1024
 
 
 def _positive_float(key: str, value: Any) -> float:
@@ -232,6 +242,8 @@ _CHECKERS: dict[str, Callable[[str, Any], Any]] = {
     "staging": lambda key, value: Staging(_choice(tuple(m.value for m in Staging))(key, value)),
     "staging_pool_kib": _positive_int,
     "staging_chunk_kib": _positive_int,
+    "staging_fragment_runs": _positive_int,
+    "staging_fragment_kib": _positive_int,
     "layerwise": _bool,
     "idle_wait_ms": _idle_wait_ms,
     "engine_cpus": check_engine_cpus,
@@ -339,9 +351,10 @@ def parse_config(
             f"unknown kv_connector_extra_config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(VALID_KEYS)}"
         )
     values: dict[str, Any] = {key: _CHECKERS[key](key, value) for key, value in extra.items()}
-    pool = values.get("staging_pool_kib", DEFAULT_POOL_KIB)
+    fragmented = values.get("staging") is Staging.FRAGMENTED
+    pool = values.setdefault("staging_pool_kib", DEFAULT_FRAGMENTED_POOL_KIB if fragmented else DEFAULT_POOL_KIB)
     if "staging_chunk_kib" not in values:  # 4 MiB chunks (1.1-1.5x faster than 1 MiB, CPU and H200), 8+ slots
-        values["staging_chunk_kib"] = max(1, min(DEFAULT_CHUNK_KIB, pool // 8))
+        values["staging_chunk_kib"] = max(1, min(DEFAULT_FRAGMENTED_CHUNK_KIB if fragmented else DEFAULT_CHUNK_KIB, pool // 8))
     chunk = values["staging_chunk_kib"]
     if pool < 2 * chunk:
         raise ConfigError(

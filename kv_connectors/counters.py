@@ -58,6 +58,10 @@ class Counters(msgspec.Struct, frozen=True):
         _gauge("Staging-pool bytes no one may be given: held for suspect peers, or under a failed transfer not ended yet."),
     ] = 0
     staging_suspect_peers: Annotated[int, _gauge("Staging peers that stopped answering (their slots quarantined).")] = 0
+    staged_transfers: Annotated[int, _counter("Transfers this instance started through its staging pool.")] = 0
+    direct_transfers: Annotated[
+        int, _counter("Transfers a fragmented staging transport started directly (a plan of few or long runs).")
+    ] = 0
     claims_granted: Annotated[int, _counter("Reads of this (prefill) instance's blocks confirmed under a live lease.")] = 0
     claims_refused: Annotated[
         int, _counter("Reads of this (prefill) instance's blocks refused: lease ended, or blocks not held.")

@@ -53,6 +53,8 @@ def _staging_stats(parts: Parts) -> dict[str, int]:
         "staging_allocated_bytes": int(ps.get("allocated_bytes", ps["pool_bytes"])),
         "staging_quarantined_bytes": int(ps["quarantined_bytes"]),
         "staging_suspect_peers": int(ps["suspect_peers"]),
+        "staged_transfers": int(ps["staged_posts"]),
+        "direct_transfers": int(ps["direct_posts"]),
     }
 
 

@@ -31,6 +31,7 @@ from kv_connectors.layout import KVLayout
 from kv_connectors.plan import plan_transfer
 from kv_connectors.transports import create_transport, ucx_on_loopback
 from kv_connectors.transports.base import MemoryKind, Transport, XferState
+from kv_connectors.transports.staging.direct import FragmentRule
 from kvc_testing.kvbuffers import Shape, bench_kv, bench_layout, check_pattern, layout_of, make_kv, storage_digest
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class PeerSpec:
     netns: str = ""  # a network namespace (kvc_testing.netns) the peer process enters first
     copies: str = "real"  # staging: "skip" = a SkipCopier (the pipeline timed without its copies)
     huge_pages: bool = True  # host KV on huge pages, as the connector registers it (config host_huge_pages)
+    fragments: FragmentRule | None = None  # staging "fragmented": the KV registered too, this rule picks staged plans
 
     @property
     def idle_s(self) -> float:
@@ -119,7 +121,14 @@ def open_transport(spec: PeerSpec, **kwargs: Any) -> Transport:
 
     try:
         copier = SkipCopier() if spec.copies == "skip" else None
-        return StagedTransport(inner, pool_bytes=spec.pool, chunk_bytes=spec.chunk, probe_interval_s=spec.probe_s, copier=copier)
+        return StagedTransport(
+            inner,
+            pool_bytes=spec.pool,
+            chunk_bytes=spec.chunk,
+            probe_interval_s=spec.probe_s,
+            copier=copier,
+            fragments=spec.fragments,
+        )
     except BaseException:
         inner.close()
         raise

@@ -19,10 +19,17 @@ import numpy as np
 
 from benchmarks.transport import kernel
 from benchmarks.transport.harness import add_engine_args, block_ids, engine_spec, open_side, start_p
-from kv_connectors.config import DEFAULT_CHUNK_KIB, DEFAULT_POOL_KIB, ConnectorConfig
+from kv_connectors.config import (
+    DEFAULT_CHUNK_KIB,
+    DEFAULT_FRAGMENTED_CHUNK_KIB,
+    DEFAULT_FRAGMENTED_POOL_KIB,
+    DEFAULT_POOL_KIB,
+    ConnectorConfig,
+)
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.tp import rank_heads, source_ranks
 from kv_connectors.transports.base import Transport, XferState
+from kv_connectors.transports.staging.direct import FragmentRule
 from kvc_testing import netns, peers
 from kvc_testing.kvbuffers import (
     F32,
@@ -140,7 +147,7 @@ def tcp_gbps(nbytes: int, repeat: int, hosts: netns.TwoHosts | None = None) -> l
 def cma_baseline(pid: int, plan: TransferPlan, push: bool, args: argparse.Namespace) -> dict[str, Any]:
     """The kernel's cross-process copy of the same runs with P's process (benchmarks/transport/kernel.py),
     on one thread and on one per core, and the transport's median against each (ratio_cma*)."""
-    if args.staging == "on" or getattr(args, "hosts", None) is not None:
+    if args.staging != "off" or getattr(args, "hosts", None) is not None:
         raise SystemExit("--cma-baseline times the same runs between two processes of one host: not with --staging or --two-hosts")
     cores = os.cpu_count() or 1
     one = kernel.cma_gbps(pid, plan, push, args.repeat)
@@ -212,12 +219,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hetero = by_token or (p_shape.heads, p_shape.first_head) != (d_shape.heads, d_shape.first_head)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback between the two processes
     push = args.mode == "push"
-    if hetero and (push or args.staging == "on"):
+    staged = args.staging in ("on", "fragmented")
+    if hetero and (push or staged):
         raise SystemExit("different TP or block sizes are benchmarked pulling, without staging (as the connector serves them)")
-    pool, chunk = (args.pool_mib << 20, args.chunk_kib << 10) if args.staging == "on" else (0, 0)
+    if staged:  # the connector's defaults for the mode unless given
+        fragmented = args.staging == "fragmented"
+        args.pool_mib = args.pool_mib or (DEFAULT_FRAGMENTED_POOL_KIB if fragmented else DEFAULT_POOL_KIB) >> 10
+        default_chunk = DEFAULT_FRAGMENTED_CHUNK_KIB if fragmented else DEFAULT_CHUNK_KIB
+        args.chunk_kib = args.chunk_kib or min(default_chunk, args.pool_mib * 128)
+    pool, chunk = (args.pool_mib << 20, args.chunk_kib << 10) if staged else (0, 0)
     # P holds the blocks D reads (pull), or sentinels the other process writes into (push).
     p_spec = engine_spec(args, "bench-p", p_shape, "sentinel" if push else "pattern", pool, chunk)
     d_spec = engine_spec(args, "bench-d", d_shape, "sentinel", pool, chunk)
+    if args.staging == "fragmented":
+        rule = FragmentRule(args.fragment_runs, args.fragment_kib << 10)
+        p_spec, d_spec = dataclasses.replace(p_spec, fragments=rule), dataclasses.replace(d_spec, fragments=rule)
     skip = getattr(args, "copies", "real") == "skip"
     if skip and not pool:
         raise SystemExit("--copies skip times the staging pipeline: it needs --staging on")
@@ -236,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         transport, kv, local = open_side(d_spec)
         p = start_p(p_spec)
         transport.connect("bench-p", p.metadata)
-        if args.staging == "on" and p.call("connect", "bench-d", transport.local_metadata()) != "ok":
+        if staged and p.call("connect", "bench-d", transport.local_metadata()) != "ok":
             raise SystemExit("P did not connect back to D (staging)")
         remote = p.layout
         assert remote is not None
@@ -341,10 +357,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch": args.max_batch if args.transport == "mooncake" else None,
             "poll_us": args.poll_us,
             "notifs_at_p": notifs,
-            "staging": args.staging == "on",
-            "pool_mib": args.pool_mib if args.staging == "on" else None,
-            "chunk_kib": args.chunk_kib if args.staging == "on" else None,
-            "pool_peak_slots": transport.pool_stats()["peak_slots_in_use"] if args.staging == "on" else None,
+            "staging": staged,
+            "staging_mode": args.staging,
+            "pool_mib": args.pool_mib if staged else None,
+            "chunk_kib": args.chunk_kib if staged else None,
+            "pool_peak_slots": transport.pool_stats()["peak_slots_in_use"] if staged else None,
+            **({"posts": {k: transport.pool_stats()[f"{k}_posts"] for k in ("staged", "direct")}} if staged else {}),
             "verified": not skip,
             "copies": "skip" if skip else "real",
             "huge_pages": huge,
@@ -399,7 +417,9 @@ def report(r: dict[str, Any]) -> None:
         )
     if r["staging"]:
         print(
-            f"staging: {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, peak {r['pool_peak_slots']} slots in use (D)"
+            f"staging ({r.get('staging_mode', 'on')}): {r['pool_mib']} MiB host pool in {r['chunk_kib']} KiB chunks, "
+            f"peak {r['pool_peak_slots']} slots in use (D); D's transfers staged {r['posts']['staged']}, "
+            f"direct {r['posts']['direct']} (timed, warm-up and latency probes)"
         )
     print(
         f"1-block {r['op'].lower()} latency (all layers, {r['layers']} descriptors): "
@@ -435,10 +455,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--latency-samples", type=int, default=50)
     add_engine_args(ap, poll_us=50.0)
-    ap.add_argument("--staging", default="off", help="on: move blocks through a host pool; off (--sweep: a list)")
-    # The connector's defaults (staging_pool_kib, staging_chunk_kib), so that a figure is what users get.
-    ap.add_argument("--pool-mib", type=int, default=DEFAULT_POOL_KIB >> 10, help="staging only: host pool size")
-    ap.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_KIB, help="staging only: chunk (pool slot) size")
+    ap.add_argument(
+        "--staging",
+        default="off",
+        help="on: move blocks through a host pool; fragmented: only plans of many short runs (--fragment-runs, "
+        "--fragment-kib), the rest directly; off (--sweep: a list)",
+    )
+    ap.add_argument(
+        "--fragment-runs", type=int, default=ConnectorConfig.staging_fragment_runs, help="fragmented: fewest runs staged"
+    )
+    ap.add_argument(
+        "--fragment-kib", type=int, default=ConnectorConfig.staging_fragment_kib, help="fragmented: staged below this mean run, KiB"
+    )
+    # 0: the connector's defaults for the mode (staging_pool_kib, staging_chunk_kib), so that a figure is what users get.
+    ap.add_argument("--pool-mib", type=int, default=0, help="staging only: host pool size (default: the connector's for the mode)")
+    ap.add_argument("--chunk-kib", type=int, default=0, help="staging only: chunk (pool slot) size (default: the connector's)")
     ap.add_argument(
         "--copies",
         choices=("real", "skip"),
@@ -546,7 +577,7 @@ def _main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         "transport": _choices(args.transport, ("nixl", "mooncake"), "--transport"),
         "mode": _choices(args.mode, ("pull", "push"), "--mode"),
         "order": _choices(args.order, ("sequential", "shuffled"), "--order"),
-        "staging": _choices(args.staging, ("off", "on"), "--staging"),
+        "staging": _choices(args.staging, ("off", "on", "fragmented"), "--staging"),
     }
     logging.basicConfig(level=logging.WARNING)
     if args.sweep:

@@ -20,6 +20,7 @@ class StagedInfo(msgspec.Struct, array_like=True, frozen=True):
     pool_bytes: int
     chunk_bytes: int
     max_runs: int
+    kv_direct: bool = False  # the peer's KV is registered with its inner transport too (fragmented staging)
 
 
 class Msg(msgspec.Struct, array_like=True, frozen=True):

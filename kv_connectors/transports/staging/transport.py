@@ -1,4 +1,31 @@
-"""CPU staging: a Transport wrapper that moves KV blocks through a bounded host pool (no GPUDirect needed)."""
+"""CPU staging: a Transport wrapper that moves KV blocks through a bounded host pool (no GPUDirect needed).
+
+Slots are granted first come, first served; a transfer waiting for a slot rejoins the back of
+the queue after each chunk, so concurrent transfers and peers interleave. Our own transfers
+hold at most slots - 1 slots: one is always left for serving peers, so two transports that
+stage towards each other cannot deadlock (with 2 slots a transfer moves one chunk at a time).
+
+Peers: we hold at most peer_slots (default: half the pool) slots serving one peer; its further
+chunks wait. A peer we wait on is probed (1-byte inner READ of its pool) every
+probe_interval_s: a dead peer fails its transfers with the inner transport's error
+(PeerDisconnectedError), the slots we held for it are freed, and it stays gone (posts raise
+PeerDisconnectedError) until connect() brings new metadata (a restarted peer). A probe that
+has not ended after 4 intervals, or a peer that owes us a message and is silent for 10 (over
+cma or RDMA a stopped process's memory still answers probes), makes the peer suspect: it gets
+no new slot (our own transfers with it one chunk at a time), its queued chunks are refused
+(TransferTimeoutError), it no longer makes busy() true, and the slots it holds are
+quarantined, handed to nobody, since it may still read or write them: freed once it is
+confirmed gone (PeerDisconnectedError, a new incarnation, disconnect()), served on once a
+message from it arrives (pool_stats: quarantined_slots, suspect_peers). Inner ops still in
+flight when a transfer fails are polled to their end (at most drain_timeout_s) before their slots are reused; the
+peer hears of the failure (ERROR) only then, so no late write of ours lands in a reused slot.
+
+The work is done by objects this class wires together: SlotPool (pool.py: the pool, its slots
+and their queue), Copies (copier.py), PeerTable (peers.py: peers, probes, death), Outbox
+(outbox.py: batched messages), Inbox (inbox.py: messages received, dispatched by type),
+Initiator (initiator.py: our transfers; drains.py: its failed ones' inner ops) and Responder
+(responder.py: serving peers' chunks).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +42,7 @@ from kv_connectors.plan import TransferPlan
 from kv_connectors.transports.base import MemoryKind, Op, Transport, XferState
 from kv_connectors.transports.intervals import Ranges
 from kv_connectors.transports.staging.copier import Copier, Copies
+from kv_connectors.transports.staging.direct import DirectXfer, FragmentRule
 from kv_connectors.transports.staging.inbox import Handler, Inbox
 from kv_connectors.transports.staging.initiator import Initiator
 from kv_connectors.transports.staging.messages import (
@@ -48,31 +76,11 @@ class StagedTransport:
     transport and connect() to each other (the responder answers over notifications). Everything
     progresses inside poll() / get_notifs() / progress(); nothing blocks and no thread is started.
 
-    Slots are granted first come, first served; a transfer waiting for a slot rejoins the back of
-    the queue after each chunk, so concurrent transfers and peers interleave. Our own transfers
-    hold at most slots - 1 slots: one is always left for serving peers, so two transports that
-    stage towards each other cannot deadlock (with 2 slots a transfer moves one chunk at a time).
-    We hold at most peer_slots (default: half the pool) slots serving one peer; its further
-    chunks wait. A peer we wait on is probed (1-byte inner READ of its pool) every
-    probe_interval_s: a dead peer fails its transfers with the inner transport's error
-    (PeerDisconnectedError), the slots we held for it are freed, and it stays gone (posts raise
-    PeerDisconnectedError) until connect() brings new metadata (a restarted peer). A probe that
-    has not ended after 4 intervals, or a peer that owes us a message and is silent for 10 (over
-    cma or RDMA a stopped process's memory still answers probes), makes the peer suspect: it gets
-    no new slot (our own transfers with it one chunk at a time), its queued chunks are refused
-    (TransferTimeoutError), it no longer makes busy() true, and the slots it holds are
-    quarantined, handed to nobody, since it may still read or write them: freed once it is
-    confirmed gone (PeerDisconnectedError, a new incarnation, disconnect()), served on once a
-    message from it arrives (pool_stats: quarantined_slots, suspect_peers). Inner ops still in flight when a transfer
-    fails are polled to their end (at most drain_timeout_s) before their slots are reused; the
-    peer hears of the failure (ERROR) only then, so no late write of ours lands in a reused slot.
-    Staging messages ride the inner transport's notifications, batched per peer and per call.
-
-    The work is done by objects this class wires together: SlotPool (pool.py: the pool, its slots
-    and their queue), Copies (copier.py), PeerTable (peers.py: peers, probes, death), Outbox
-    (outbox.py: batched messages), Inbox (inbox.py: messages received, dispatched by type),
-    Initiator (initiator.py: our transfers; drains.py: its failed ones' inner ops) and Responder
-    (responder.py: serving peers' chunks).
+    Staging messages ride the inner transport's notifications, batched per peer and per call. Peers
+    (slots per peer, probes, suspects, quarantine, drains) and the objects doing the work: see the
+    module's docstring. With a FragmentRule (`fragments`), the KV is registered with the inner
+    transport too, and a plan the rule does not stage moves directly when the peer did the same
+    (direct.py: many short runs go through the pool, the rest directly).
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class StagedTransport:
         drain_timeout_s: float = 30.0,
         peer_slots: int | None = None,
         clock: Callable[[], float] | None = None,
+        fragments: FragmentRule | None = None,
     ) -> None:
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
@@ -101,6 +110,9 @@ class StagedTransport:
             raise ConfigError("probe_interval_s and drain_timeout_s must be > 0 seconds")
         name = inner.name
         self._inner = inner
+        self._fragments = fragments  # set: the KV is registered with inner too; plans it does not stage move directly
+        self._direct: dict[int, DirectXfer] = {}  # direct transfers not yet released
+        self.posts = {"direct": 0, "staged": 0}
         self._max_runs = max_runs_per_chunk
         self._kv = Ranges()  # every registered KV region: the memory transfers may touch
         clock = clock or time.monotonic
@@ -159,12 +171,16 @@ class StagedTransport:
                 f"{self._pool.kind.value}:{self._pool.device_id}"
             )
         self._kv.add((r.base, r.base + r.span) for r in layout.regions)
+        if self._fragments is not None:
+            self._inner.register(layout, kind, device_id)
 
     def local_metadata(self) -> bytes:
         """The inner transport's metadata plus where our pool is."""
         self._require_pool()
         pool = self._pool
-        info = StagedInfo(self._inner.local_metadata(), pool.base, pool.pool_bytes, pool.chunk_bytes, self._max_runs)
+        info = StagedInfo(
+            self._inner.local_metadata(), pool.base, pool.pool_bytes, pool.chunk_bytes, self._max_runs, self._fragments is not None
+        )
         return MD_MAGIC + msgspec.msgpack.encode(info)
 
     def connect(self, peer_name: str, peer_metadata: bytes) -> None:
@@ -192,38 +208,62 @@ class StagedTransport:
         self._inner.disconnect(peer_name)
 
     # Protocol: transfers ---------------------------------------------------------------------------
-    def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer:
+    def post_read(self, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer | DirectXfer:
         """Pull plan.src (peer KV) into plan.dst (ours) chunk by chunk; notif reaches the peer after all."""
-        self._require_pool()
-        return self._initiator.post(Op.READ, peer_name, plan, notif)
+        return self._post(Op.READ, peer_name, plan, notif)
 
-    def post_write(self, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer:
+    def post_write(self, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer | DirectXfer:
         """Push plan.src (ours) into plan.dst (peer KV) chunk by chunk; notif reaches the peer after all."""
-        self._require_pool()
-        return self._initiator.post(Op.WRITE, peer_name, plan, notif)
+        return self._post(Op.WRITE, peer_name, plan, notif)
 
-    def poll(self, handle: StagedXfer) -> XferState:
+    def _post(self, op: Op, peer_name: str, plan: TransferPlan, notif: bytes) -> StagedXfer | DirectXfer:
+        """Through the pool, or, where both sides registered their KV with the inner transport and
+        the fragment rule does not stage the plan, directly (direct.py)."""
+        self._require_pool()
+        peer = self._peers.require_live(peer_name)
+        if self._fragments is None or not peer.info.kv_direct or self._fragments.staged(plan):
+            self.posts["staged"] += 1
+            return self._initiator.post(op, peer_name, plan, notif)
+        self._kv.check(plan.dst if op is Op.READ else plan.src, plan.length, f"local side of {op}", "KV memory")
+        post = self._inner.post_read if op is Op.READ else self._inner.post_write
+        handle = DirectXfer(peer_name, op, plan.num_runs, plan.total_bytes, post(peer_name, plan, user_bytes(notif)))
+        self._direct[id(handle)] = handle
+        self.posts["direct"] += 1
+        return handle
+
+    def poll(self, handle: StagedXfer | DirectXfer) -> XferState:
         """Advance all staging work, then DONE or IN_PROGRESS; raises the transfer's typed error."""
         self.progress()  # also for a finished handle: peers may be waiting on us
+        if isinstance(handle, DirectXfer):
+            return self._inner.poll(handle.inner)
         if handle.error is not None:
             raise handle.error
         return handle.state
 
-    def abort(self, handle: StagedXfer) -> None:
+    def abort(self, handle: StagedXfer | DirectXfer) -> None:
         """Fail an unfinished transfer now: no further chunk starts or is scattered; its inner ops
         in flight drain (their slots stay out of the pool until they ended). Never raises."""
+        if isinstance(handle, DirectXfer):
+            self._inner.abort(handle.inner)
+            return
         self.release(handle)
 
-    def settled(self, handle: StagedXfer) -> bool:
+    def settled(self, handle: StagedXfer | DirectXfer) -> bool:
         """Whether no byte of the transfer can reach the destination's KV any more (Initiator.settled)."""
         try:
             self.progress()
         except TransportError:
             pass
+        if isinstance(handle, DirectXfer):
+            return self._inner.settled(handle.inner)
         return self._initiator.settled(handle)
 
-    def release(self, handle: StagedXfer) -> None:
+    def release(self, handle: StagedXfer | DirectXfer) -> None:
         """Forget a handle; an unfinished transfer is failed (as abort). Never raises."""
+        if isinstance(handle, DirectXfer):
+            self._direct.pop(id(handle), None)
+            self._inner.release(handle.inner)
+            return
         try:
             if handle.state is not XferState.DONE and handle.error is None:
                 err = TransportError(f"staged {handle.op} with {handle.peer_name}: released before completion")
@@ -260,6 +300,8 @@ class StagedTransport:
             "quarantined_slots": quarantined,
             "quarantined_bytes": quarantined * pool.chunk_bytes,
             "suspect_peers": len(self._peers.suspects()),
+            "staged_posts": self.posts["staged"],
+            "direct_posts": self.posts["direct"],
         }
 
     def close(self) -> None:
@@ -267,6 +309,8 @@ class StagedTransport:
         if self._closed:
             return
         try:
+            for direct in list(self._direct.values()):
+                self.release(direct)
             self._initiator.abort_all(TransportError(f"staging transport {self.name} closed"))
             self._outbox.flush()
         except Exception as e:  # close must never raise: it runs on shutdown and error paths

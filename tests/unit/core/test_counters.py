@@ -35,6 +35,8 @@ NAMES = (
     "staging_allocated_bytes",
     "staging_quarantined_bytes",
     "staging_suspect_peers",
+    "staged_transfers",
+    "direct_transfers",
     "claims_granted",
     "claims_refused",
     "reads_fenced_by_words",

@@ -306,3 +306,19 @@ def test_error_codes_keep_their_wire_encoding():
     frame = msgspec.msgpack.encode((wire.Header(wire.WIRE_VERSION, COMPAT.hash(), "error"), _OldErrorReply("novel", "m")))
     with pytest.raises(HandshakeError, match="malformed"):
         wire.decode(frame, COMPAT.hash())
+
+
+def test_fragmented_staging_config():
+    """fragmented: a larger pool in larger chunks unless set (the measured win needs them), and its two knobs."""
+    from kv_connectors.config import Staging
+
+    cfg = parse_config("e", "kv_consumer", {"staging": "fragmented"})
+    assert cfg.staging is Staging.FRAGMENTED
+    assert (cfg.staging_pool_kib, cfg.staging_chunk_kib) == (128 * 1024, 16 * 1024)
+    assert (cfg.staging_fragment_runs, cfg.staging_fragment_kib) == (256, 64)
+    assert parse_config("e", "kv_consumer", {"staging": "fragmented", "staging_pool_kib": 8192}).staging_chunk_kib == 1024
+    cfg = parse_config("e", "kv_consumer", {"staging": "fragmented", "staging_fragment_runs": 8, "staging_fragment_kib": 16})
+    assert (cfg.staging_fragment_runs, cfg.staging_fragment_kib) == (8, 16)
+    assert parse_config("e", "kv_consumer", {"staging": "on"}).staging_pool_kib == 64 * 1024, "other modes keep their pool"
+    with pytest.raises(ConfigError, match="staging_fragment_runs"):
+        parse_config("e", "kv_consumer", {"staging": "fragmented", "staging_fragment_runs": 0})

@@ -606,3 +606,23 @@ def test_first_staged_pull_after_the_handshake_completes():
     Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
     c.run(30)
     assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
+
+
+# fragmented staging: the KV registered directly too, a plan of many short runs through the pool ---------
+FRAGMENTED = {"staging": "fragmented", "staging_pool_kib": 2, "staging_chunk_kib": 1, "staging_fragment_kib": 1}
+
+
+@pytest.mark.parametrize(("runs", "staged"), [(2, True), (3, False)], ids=["many-short-runs-staged", "few-runs-direct"])
+def test_fragmented_staging_picks_each_loads_path_by_its_plan(runs: int, staged: bool) -> None:
+    """The load's plan has 2 runs (one per region) of 768 bytes: staged from 2 runs under 1 KiB, direct from 3."""
+    extra = {**FRAGMENTED, "staging_fragment_runs": runs}
+    c = Cluster(p_extra=extra, d_extra=extra)
+    c.prefill_done("r1", P_BLOCKS)
+    Cluster.recv(c.d, "d1", "r1", D_BLOCKS, P_BLOCKS)
+    c.run(30)
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
+    assert "r1" in c.p.finished_sending and c.p.engine.stats.expired_leases == 0
+    s = c.d.engine.stats
+    assert (s.staged_transfers, s.direct_transfers) == ((1, 0) if staged else (0, 1))
+    assert (s.staging_peak_bytes > 0) is staged, "the pool is used only by a staged load"
+    assert s.staging_pool_bytes == 2048
