@@ -172,3 +172,16 @@ def test_here_finds_a_taken_port_and_missing_rdma(capsys: pytest.CaptureFixture[
 def test_both_commands_say_their_version(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, *argv, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.split() == [proc.stdout.split()[0], __version__], proc
+
+
+def test_check_config_warns_of_fragmented_staging_that_does_nothing_or_is_slower() -> None:
+    def warnings(kind: dict[str, str], extra: dict[str, Any]) -> tuple[str, ...]:
+        config = {**kind, "kv_role": "kv_consumer", "kv_connector_extra_config": extra}
+        return checks.check_transfer_config(config, with_vllm=False).warnings
+
+    assert warnings(MOONCAKE, {"staging": "fragmented", "staging_fragment_runs": 64}) == ()
+    assert warnings(MOONCAKE, {"staging": "on", "staging_fragment_kib": 32}) == (
+        "'staging_fragment_kib' does nothing unless staging is 'fragmented'",
+    )
+    (note,) = warnings(NIXL, {"staging": "fragmented"})
+    assert "measured for Mooncake over TCP" in note
