@@ -48,9 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument(
         "--staging",
-        choices=["auto", "on", "off"],
+        choices=["auto", "on", "off", "fragmented"],
         default="auto",
-        help="CPU staging through a bounded host pool (auto: only where device memory cannot be registered)",
+        help="CPU staging through a bounded host pool (auto: only where device memory cannot be registered; "
+        "fragmented: only transfers of many short runs, the rest directly)",
     )
     ap.add_argument("--pool-kib", type=int, default=128, help="staging pool size (with --staging on)")
     ap.add_argument("--verbose", action="store_true", help="log server start-up and stops")
@@ -113,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         if ds.staging_pool_bytes:
             print(
                 f"staging: pool {ds.staging_pool_bytes // 1024} KiB on each side, peak use on D "
-                f"{ds.staging_peak_bytes // 1024} KiB, on P {ps.staging_peak_bytes // 1024} KiB"
+                f"{ds.staging_peak_bytes // 1024} KiB, on P {ps.staging_peak_bytes // 1024} KiB; transfers "
+                f"through it {ps.staged_transfers + ds.staged_transfers}, direct {ps.direct_transfers + ds.direct_transfers}"
             )
         if totals["bytes"] == 0 or ds.recv_failures:
             print(
