@@ -42,7 +42,8 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def series_name(r: Mapping[str, Any]) -> str:
-    return f"{r['transport']} {r['mode']} {r['order']}" + (" staging" if r["staging"] else "")
+    staging = r.get("staging_mode", "on" if r["staging"] else "off")  # results of older checkouts say True/False
+    return f"{r['transport']} {r['mode']} {r['order']}" + {"off": "", "on": " staging"}.get(staging, f" staging {staging}")
 
 
 def fit(points: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:

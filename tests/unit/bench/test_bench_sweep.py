@@ -62,6 +62,8 @@ def test_fit_recovers_fixed_cost_and_bandwidth():
     assert growth["nixl pull shuffled"]["size_growth"] == 64
     assert growth["mooncake pull shuffled"]["time_growth"] == pytest.approx(9 / 7, abs=0.1)
     assert series_name({**pts[0], "staging": True}) == "nixl pull shuffled staging"
+    assert series_name({**pts[0], "staging": True, "staging_mode": "fragmented"}) == "nixl pull shuffled staging fragmented"
+    assert series_name({**pts[0], "staging": False, "staging_mode": "off"}) == "nixl pull shuffled"
     assert "nixl pull shuffled" in table(pts)
 
 
