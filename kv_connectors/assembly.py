@@ -121,7 +121,9 @@ def assemble(
     compat_hash = server.compat_hash = compat.hash()
     address = sidechannel.address(cfg.side_channel_host, server.port)
     try:
-        words, scratch = _register_words(cfg, transport, layout, kind, staged=staging is not None)
+        # With staging "fragmented" the words are registered like the KV: read directly or through the pool.
+        pool_only = staging is not None and cfg.staging is not Staging.FRAGMENTED
+        words, scratch = _register_words(cfg, transport, layout, kind, staged=pool_only)
         # Fixed once the memory is registered; read here so that the side-channel thread never calls
         # into the engine (NIXL agents are not thread-safe, and a long post on the engine thread would
         # stall every handshake behind the engine's lock).
@@ -176,8 +178,8 @@ def _register_words(
     cfg: ConnectorConfig, transport: Transport, layout: KVLayout, kind: MemoryKind, staged: bool
 ) -> tuple[LeaseWords | None, LeaseWords | None]:
     """Lease words (kv_connectors.fence) beside a host KV cache moved directly: P's, and D's scratch
-    they are read into. Not with a staging pool (it moves KV blocks only) or device memory (the
-    words live in host memory, which one transfer cannot mix with the KV's)."""
+    they are read into. Not with a staging pool alone (staging "on": only the pool is registered) or
+    device memory (the words live in host memory, which one transfer cannot mix with the KV's)."""
     if not cfg.lease_words or staged or kind is not MemoryKind.HOST:
         return None, None
     words = LeaseWords(layout.num_blocks) if cfg.role.produces else None

@@ -14,7 +14,9 @@ D reads the words into a scratch array of its own, one word per block of D's cac
 D block its P block is paired with (a D block belongs to one load at a time), so a load's words
 read is planned like its data read: `plan_blocks` on two one-region layouts.
 
-Host memory only: with the KV cache in device memory, or staged, the fence claims as before.
+Host memory only: with the KV cache in device memory, or staged through a pool alone (staging "on"),
+the fence claims as before. With staging "fragmented" the words are registered like the KV, and their
+read goes directly or through the pool as its plan's shape says.
 """
 
 from __future__ import annotations

@@ -623,6 +623,25 @@ def test_fragmented_staging_picks_each_loads_path_by_its_plan(runs: int, staged:
     assert c.d.finished_recving == {"d1"} and not c.d.failed_recving and _loaded(c)
     assert "r1" in c.p.finished_sending and c.p.engine.stats.expired_leases == 0
     s = c.d.engine.stats
-    assert (s.staged_transfers, s.direct_transfers) == ((1, 0) if staged else (0, 1))
+    # the data read, then the lease words' read (one run of 3 words: always direct)
+    assert (s.staged_transfers, s.direct_transfers) == ((1, 1) if staged else (0, 2))
+    assert s.reads_fenced_by_words == 1, "the lease words were not read (or proved nothing): a claim instead"
+    assert not [m for m in c.fabric.requests if isinstance(m, wire.ClaimRequest)]
     assert (s.staging_peak_bytes > 0) is staged, "the pool is used only by a staged load"
     assert s.staging_pool_bytes == 2048
+
+
+def test_fragmented_staging_reads_shuffled_lease_words_through_the_pool_too() -> None:
+    """D's blocks in another order: the words' read is 2 runs, staged like the data, and still proves the read."""
+    extra = {**FRAGMENTED, "staging_fragment_runs": 2}
+    c = Cluster(p_extra=extra, d_extra=extra)
+    shuffled = (7, 5, 6)
+    c.prefill_done("r1", P_BLOCKS)
+    Cluster.recv(c.d, "d1", "r1", shuffled, P_BLOCKS)
+    c.run(30)
+    assert c.d.finished_recving == {"d1"} and not c.d.failed_recving
+    assert all(np.array_equal(c.d.block(d), c.p.block(p)) for p, d in zip(P_BLOCKS, shuffled))
+    s = c.d.engine.stats
+    assert (s.staged_transfers, s.direct_transfers) == (2, 0)
+    assert s.reads_fenced_by_words == 1
+    assert not [m for m in c.fabric.requests if isinstance(m, wire.ClaimRequest)]
