@@ -7,8 +7,10 @@ asks P's rank 0 for its TP size)."""
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from kvc_testing.cluster import (
@@ -154,6 +156,20 @@ def test_transfer_id_flow_between_tp_sizes_with_layerwise_push(reference, prefil
     assert assert_transfer_id_flow_matches(reference, tp_prefill, decode_server, prompts, d_first=True, p_tp=TP) == len(prompts)
 
 
+def _prefill_at_tp4(p: VllmServer, prompt: list[int]) -> dict:
+    """P's prefill: four vLLM ranks on two cores (two pinned to each) have hung in their first step
+    (vLLM logging "No available shared memory broadcast block" every 60 s; seen in two full runs of
+    the suite here), so a P whose prefill times out is restarted once, with a warning. What the test
+    checks is D's answer to P's split, not vLLM's CPU TP start-up."""
+    try:
+        return prefill(p.url, prompt, timeout=90.0)
+    except httpx.TimeoutException:
+        warnings.warn("P at TP 4 did not answer its first prefill in 90 s (vLLM CPU TP hang): restarted once", stacklevel=2)
+        p.restart()
+        p.wait_ready()
+        return prefill(p.url, prompt)
+
+
 def test_prefill_tp4_into_decode_tp1_is_refused_at_once_naming_both_sizes(reference, tiny_model, prefill_server, decode_server):
     """The tiny model's 2 KV heads on 4 prefill ranks: ranks 0 and 1 hold head 0, ranks 2 and 3 head
     1. A decode rank reads each head from one of them, so P ranks 1 and 3 would hold their blocks for
@@ -162,7 +178,7 @@ def test_prefill_tp4_into_decode_tp1_is_refused_at_once_naming_both_sizes(refere
     p = pd_server(tiny_model, "kv_producer", name="P-tp4", max_model_len=MAX_MODEL_LEN, tp=4, extra_config={"lease_s": 5})
     prompt = make_prompts([120], seed=39)[0]
     with p:
-        params = prefill(p.url, prompt)
+        params = _prefill_at_tp4(p, prompt)
         d0 = stats(decode_server)
         t0 = time.monotonic()
         r = generate(decode_server.url, prompt, 8, kv_transfer_params=params, timeout=60)
