@@ -199,14 +199,12 @@ def _registered_transport(
     if cfg.staging is Staging.ON:
         staged = _staged(cfg, name, layout, kind, device_id, make)
         return staged, staged
+    if kind is MemoryKind.HOST and cfg.host_huge_pages:  # before the engine registers (and may pin) it
+        back_with_huge_pages((r.base, r.span) for r in layout.regions)
     if cfg.staging is Staging.FRAGMENTED:
-        if kind is MemoryKind.HOST and cfg.host_huge_pages:
-            back_with_huge_pages((r.base, r.span) for r in layout.regions)
         rule = FragmentRule(cfg.staging_fragment_runs, cfg.staging_fragment_kib * 1024)
         staged = _staged(cfg, name, layout, kind, device_id, make, rule)
         return staged, staged
-    if kind is MemoryKind.HOST and cfg.host_huge_pages:  # before the engine registers (and may pin) it
-        back_with_huge_pages((r.base, r.span) for r in layout.regions)
     transport = make(name)
     try:
         transport.register(layout, kind, device_id)

@@ -19,13 +19,8 @@ import numpy as np
 
 from benchmarks.transport import kernel
 from benchmarks.transport.harness import add_engine_args, block_ids, engine_spec, open_side, start_p
-from kv_connectors.config import (
-    DEFAULT_CHUNK_KIB,
-    DEFAULT_FRAGMENTED_CHUNK_KIB,
-    DEFAULT_FRAGMENTED_POOL_KIB,
-    DEFAULT_POOL_KIB,
-    ConnectorConfig,
-)
+from kv_connectors.config import ConnectorConfig, parse_config
+from kv_connectors.errors import ConfigError
 from kv_connectors.plan import BlockTable, TransferPlan, plan_blocks, plan_cells
 from kv_connectors.tp import rank_heads, source_ranks
 from kv_connectors.transports.base import Transport, XferState
@@ -159,6 +154,22 @@ def cma_baseline(pid: int, plan: TransferPlan, push: bool, args: argparse.Namesp
     }
 
 
+def staging_config(args: argparse.Namespace) -> ConnectorConfig:
+    """The connector's staging settings for --staging, --pool-mib, --chunk-kib and the fragment
+    flags, through its own config parsing: what is not given (0) takes the mode's default."""
+    extra: dict[str, Any] = {"staging": args.staging}
+    if args.pool_mib:
+        extra["staging_pool_kib"] = args.pool_mib << 10
+    if args.chunk_kib:
+        extra["staging_chunk_kib"] = args.chunk_kib
+    if args.staging == "fragmented":
+        extra.update(staging_fragment_runs=args.fragment_runs, staging_fragment_kib=args.fragment_kib)
+    try:
+        return parse_config("bench", "kv_both", extra)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+
+
 def tp_shapes(args: argparse.Namespace) -> tuple[Shape, Shape]:
     """(P's, D's) KV caches: P rank holding the first heads D rank args.d_rank reads (of
     args.kv_heads over args.p_tp ranks), D rank holding its own; both with args.block_kib's tokens
@@ -222,17 +233,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     staged = args.staging in ("on", "fragmented")
     if hetero and (push or staged):
         raise SystemExit("different TP or block sizes are benchmarked pulling, without staging (as the connector serves them)")
-    if staged:  # the connector's defaults for the mode unless given
-        fragmented = args.staging == "fragmented"
-        args.pool_mib = args.pool_mib or (DEFAULT_FRAGMENTED_POOL_KIB if fragmented else DEFAULT_POOL_KIB) >> 10
-        default_chunk = DEFAULT_FRAGMENTED_CHUNK_KIB if fragmented else DEFAULT_CHUNK_KIB
-        args.chunk_kib = args.chunk_kib or min(default_chunk, args.pool_mib * 128)
-    pool, chunk = (args.pool_mib << 20, args.chunk_kib << 10) if staged else (0, 0)
+    cfg = staging_config(args) if staged else None
+    pool, chunk = (cfg.staging_pool_kib << 10, cfg.staging_chunk_kib << 10) if cfg is not None else (0, 0)
     # P holds the blocks D reads (pull), or sentinels the other process writes into (push).
     p_spec = engine_spec(args, "bench-p", p_shape, "sentinel" if push else "pattern", pool, chunk)
     d_spec = engine_spec(args, "bench-d", d_shape, "sentinel", pool, chunk)
     if args.staging == "fragmented":
-        rule = FragmentRule(args.fragment_runs, args.fragment_kib << 10)
+        assert cfg is not None
+        rule = FragmentRule(cfg.staging_fragment_runs, cfg.staging_fragment_kib << 10)
         p_spec, d_spec = dataclasses.replace(p_spec, fragments=rule), dataclasses.replace(d_spec, fragments=rule)
     skip = getattr(args, "copies", "real") == "skip"
     if skip and not pool:
@@ -306,6 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mem = memcpy_gbps(plan.total_bytes, args.repeat)
         tcp = tcp_gbps(plan.total_bytes, args.repeat, hosts) if args.tcp_baseline else []
         cma = cma_baseline(p.proc.pid, plan, push, args) if getattr(args, "cma_baseline", False) else {}
+        pool_stats = transport.pool_stats() if staged else {}
         return {
             "transport": args.transport,
             "path": "two hosts (network namespaces, veth and bridge)" if hosts else "loopback",
@@ -359,10 +368,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "notifs_at_p": notifs,
             "staging": staged,
             "staging_mode": args.staging,
-            "pool_mib": args.pool_mib if staged else None,
-            "chunk_kib": args.chunk_kib if staged else None,
-            "pool_peak_slots": transport.pool_stats()["peak_slots_in_use"] if staged else None,
-            **({"posts": {k: transport.pool_stats()[f"{k}_posts"] for k in ("staged", "direct")}} if staged else {}),
+            "pool_mib": pool >> 20 if staged else None,
+            "chunk_kib": chunk >> 10 if staged else None,
+            "pool_peak_slots": pool_stats["peak_slots_in_use"] if staged else None,
+            **({"posts": {k: pool_stats[f"{k}_posts"] for k in ("staged", "direct")}} if staged else {}),
             "verified": not skip,
             "copies": "skip" if skip else "real",
             "huge_pages": huge,

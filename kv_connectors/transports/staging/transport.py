@@ -17,8 +17,9 @@ no new slot (our own transfers with it one chunk at a time), its queued chunks a
 quarantined, handed to nobody, since it may still read or write them: freed once it is
 confirmed gone (PeerDisconnectedError, a new incarnation, disconnect()), served on once a
 message from it arrives (pool_stats: quarantined_slots, suspect_peers). Inner ops still in
-flight when a transfer fails are polled to their end (at most drain_timeout_s) before their slots are reused; the
-peer hears of the failure (ERROR) only then, so no late write of ours lands in a reused slot.
+flight when a transfer fails are polled to their end (at most drain_timeout_s) before their
+slots are reused; the peer hears of the failure (ERROR) only then, so no late write of ours
+lands in a reused slot.
 
 The work is done by objects this class wires together: SlotPool (pool.py: the pool, its slots
 and their queue), Copies (copier.py), PeerTable (peers.py: peers, probes, death), Outbox

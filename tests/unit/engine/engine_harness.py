@@ -16,6 +16,7 @@ from kv_connectors.layout import token_major
 from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
 from kv_connectors.tp import rank_heads
 from kv_connectors.transports.memory import MemoryClient, MemoryFabric, MemoryTransport, host_layout
+from kv_connectors.transports.staging import StagedTransport
 from kv_connectors.worker import WorkerEngine
 
 NUM_BLOCKS = 16
@@ -93,6 +94,15 @@ class HeldClient:
 
     def close(self) -> None:
         self._inner.close()
+
+
+@dataclasses.dataclass
+class StagedNode:
+    """A StagedTransport over the memory fabric with its KV buffer and layout (the staging tests' peers)."""
+
+    t: StagedTransport
+    kv: np.ndarray
+    layout: object
 
 
 @dataclasses.dataclass

@@ -5,8 +5,6 @@ settle and the peer's metadata of an older version, over one MemoryFabric on a c
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgspec
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ from kv_connectors.transports.staging import MSG_MAGIC, StagedTransport
 from kv_connectors.transports.staging.direct import DirectXfer, FragmentRule
 from kv_connectors.transports.staging.messages import MD_MAGIC, StagedInfo
 from kv_connectors.transports.staging.xfer import StagedXfer
-from tests.unit.engine.engine_harness import FakeClock
+from tests.unit.engine.engine_harness import FakeClock, StagedNode
 
 KiB = 1024
 BLOCKS = 16
@@ -28,25 +26,18 @@ SEQUENTIAL = (list(range(8)), list(range(8, 16)))  # one 8 KiB run
 SHUFFLED = ([7, 0, 5, 2, 3, 6, 1, 4], [9, 14, 8, 15, 11, 10, 13, 12])  # 8 runs of 1 KiB
 
 
-@dataclasses.dataclass
-class Node:
-    t: StagedTransport
-    kv: np.ndarray
-    layout: object
-
-
 class Net:
     def __init__(self, rules: dict[str, FragmentRule | None], delay_s: float = 0.0) -> None:
         self.clock = FakeClock()
         self.fabric = MemoryFabric(self.clock)
-        self.nodes: dict[str, Node] = {}
+        self.nodes: dict[str, StagedNode] = {}
         for i, (name, rule) in enumerate(rules.items()):
             kv = np.random.default_rng(i).integers(0, 256, BLOCKS * KiB, dtype=np.uint8)
             inner = MemoryTransport(name, self.fabric, delay_s)
             t = StagedTransport(inner, pool_bytes=8 * KiB, chunk_bytes=2 * KiB, clock=self.clock, fragments=rule)
             layout = host_layout(kv, num_blocks=BLOCKS, block_size=1, num_regions=1)
             t.register(layout)
-            self.nodes[name] = Node(t, kv, layout)
+            self.nodes[name] = StagedNode(t, kv, layout)
         for a in self.nodes:
             for b in self.nodes:
                 if a != b:

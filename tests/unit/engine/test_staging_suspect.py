@@ -11,7 +11,6 @@ transport that is merely not progressed is a stopped process over cma or RDMA (i
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import numpy as np
@@ -26,7 +25,7 @@ from kv_connectors.transports.staging import StagedTransport
 from kv_connectors.transports.staging import transport as staging_transport
 from kv_connectors.transports.staging.xfer import StagedXfer
 from tests.unit.engine import engine_harness
-from tests.unit.engine.engine_harness import P_PORT, Cluster, FakeClock
+from tests.unit.engine.engine_harness import P_PORT, Cluster, FakeClock, StagedNode
 
 KiB = 1024
 BLOCKS = 16  # a block is one 1 KiB chunk
@@ -35,19 +34,12 @@ D_SLOTS = 16  # a d stages up to 15 chunks at once
 PROBE_S = 1.0  # probe deadline: 4 s; silence: 10 s
 
 
-@dataclasses.dataclass
-class Node:
-    t: StagedTransport
-    kv: np.ndarray
-    layout: object
-
-
 class Net:
     def __init__(self, delays: dict[str, float] | None = None) -> None:
         self.delays = delays or {}  # an agent's inner ops (its probes too) complete this long after their post
         self.clock = FakeClock()
         self.fabric = MemoryFabric(self.clock)
-        self.nodes: dict[str, Node] = {}
+        self.nodes: dict[str, StagedNode] = {}
         self.stopped: set[str] = set()  # not progressed (a stopped process)
         for i, (name, slots) in enumerate((("p", P_SLOTS), ("d1", D_SLOTS), ("d2", D_SLOTS))):
             self.nodes[name] = self._make(name, slots, seed=i)
@@ -56,7 +48,7 @@ class Net:
                 if a != b:
                     self.nodes[a].t.connect(b, self.nodes[b].t.local_metadata())
 
-    def _make(self, name: str, slots: int, seed: int) -> Node:
+    def _make(self, name: str, slots: int, seed: int) -> StagedNode:
         kv = np.random.default_rng(seed).integers(0, 256, BLOCKS * KiB, dtype=np.uint8)
         t = StagedTransport(
             MemoryTransport(name, self.fabric, self.delays.get(name, 0.0)),
@@ -67,7 +59,7 @@ class Net:
         )
         layout = host_layout(kv, num_blocks=BLOCKS, block_size=1, num_regions=1)
         t.register(layout)
-        return Node(t, kv, layout)
+        return StagedNode(t, kv, layout)
 
     def __getitem__(self, name: str) -> StagedTransport:
         return self.nodes[name].t
