@@ -144,7 +144,7 @@ def cma_baseline(pid: int, plan: TransferPlan, push: bool, args: argparse.Namesp
     on one thread and on one per core, and the transport's median against each (ratio_cma*)."""
     if args.staging != "off" or getattr(args, "hosts", None) is not None:
         raise SystemExit("--cma-baseline times the same runs between two processes of one host: not with --staging or --two-hosts")
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))  # the CPUs this run may use (--cpus confines it)
     one = kernel.cma_gbps(pid, plan, push, args.repeat)
     many = kernel.cma_gbps(pid, plan, push, args.repeat, threads=cores)
     return {
@@ -536,8 +536,16 @@ def main(argv: list[str] | None = None) -> None:
         "round after round with this one, and report the ratio of their medians (benchmarks/transport/baseline.py)",
     )
     ap.add_argument("--rounds", type=int, default=4, help="--baseline: runs of each checkout, alternating")
+    ap.add_argument(
+        "--cpus",
+        metavar="COUNTS",
+        help="run once per count (e.g. 1,2), every process of the run confined to the first that many CPUs, and "
+        "report how the speed scales with them (benchmarks/transport/cpus.py)",
+    )
     ap.add_argument("--json", action="store_true", help="also print one JSON object as the last line")
     args = ap.parse_args(argv)
+    if args.cpus and (args.baseline or args.sweep or args.compare_homogeneous):
+        ap.error("--cpus times one configuration: not with --sweep, --baseline or --compare-homogeneous")
     if args.baseline:
         from benchmarks.transport.baseline import compare
 
@@ -598,6 +606,18 @@ def _main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("lists of transports/modes/orders/staging and --plot need --sweep")
     for key, values in axes.items():
         setattr(args, key, values[0])
+    if args.cpus:
+        from benchmarks.transport import cpus
+
+        results = cpus.run_counts(args, run)
+        for r in results:
+            print(f"-- confined to {r['cpus']} CPU{'s' if r['cpus'] > 1 else ''}")
+            report(r)
+        print()
+        cpus.report(results)
+        if args.json:
+            print(json.dumps({"runs": results, **cpus.scaling(results)}), flush=True)
+        return
     baseline = None
     if args.compare_homogeneous and (args.p_tp != args.d_tp or args.p_block != args.d_block):
         baseline = run(homogeneous_counterpart(args))
