@@ -21,6 +21,7 @@ import pytest
 from kv_connectors.plan import TransferPlan, plan_transfer
 from kv_connectors.transports.base import Transport, XferState
 from kv_connectors.transports.memory import MemoryFabric
+from kv_connectors.transports.staging.direct import FragmentRule
 from kvc_testing import peers
 from kvc_testing.peers import InProcessPeer, Local, Peer, PeerSpec
 
@@ -46,6 +47,8 @@ class Caps:
     gone_deadline_s: how soon after the peer disappears its transfers must have failed.
     known_defects: contract tests this kind fails today, by key (KNOWN_DEFECTS says what is wrong);
         they run as strict xfails, so a fix shows up as XPASS (then remove the key).
+    fragments: staging "fragmented" (the KV registered with the engine too): the rule that picks
+        the plans moved through the pool; the others move directly, as with the bare engine.
     """
 
     kind: str
@@ -57,6 +60,7 @@ class Caps:
     gone_deadline_s: float
     known_defects: frozenset[str] = frozenset()
     wait_s: float = 20.0
+    fragments: FragmentRule | None = None
 
     @property
     def in_process(self) -> bool:
@@ -80,11 +84,21 @@ KINDS = {
     "staged-nixl": Caps("staged-nixl", "nixl", True, True, "poll", False, 8.0),
     "staged-mooncake": Caps("staged-mooncake", "mooncake", True, True, "poll", False, 8.0),
 }
+# Fragmented staging, both of its paths: every plan through the pool (as `on`, with the KV registered
+# too), and every plan directly (the engine's own behaviour, through the staging transport's handle).
+ALL_STAGED, NONE_STAGED = FragmentRule(1, 1 << 62), FragmentRule(1 << 62, 1)
+for _engine in ("memory", "nixl", "mooncake"):
+    KINDS[f"fragmented-staged-{_engine}"] = dataclasses.replace(
+        KINDS[f"staged-{_engine}"], kind=f"fragmented-staged-{_engine}", fragments=ALL_STAGED
+    )
+    KINDS[f"fragmented-direct-{_engine}"] = dataclasses.replace(
+        KINDS[_engine], kind=f"fragmented-direct-{_engine}", staged=True, fragments=NONE_STAGED
+    )
 
 
 def spec(caps: Caps, name: str, seed: int) -> PeerSpec:
     pool, chunk = (POOL, CHUNK) if caps.staged else (0, 0)
-    return PeerSpec(caps.engine, name, seed, "staged", pool, chunk)
+    return PeerSpec(caps.engine, name, seed, "staged", pool, chunk, fragments=caps.fragments)
 
 
 class StepClock:
@@ -194,7 +208,7 @@ def remote(caps: Caps) -> Iterator[list[Peer]]:
 
 
 @pytest.fixture
-def pair(caps: Caps, remote: list[Peer]) -> Iterator[Pair]:
+def pair(caps: Caps, remote: list[Peer], request: pytest.FixtureRequest) -> Iterator[Pair]:
     d_spec = spec(caps, f"d{next(_names)}-{caps.kind}-{os.getpid()}", D_SEED)
     clock = None
     if caps.in_process:
@@ -215,6 +229,12 @@ def pair(caps: Caps, remote: list[Peer]) -> Iterator[Pair]:
     loc = peers.open_local(d_spec, [p], **kwargs)
     try:
         yield Pair(caps, loc, p, clock)
+        if caps.fragments is not None:  # each fragmented kind took only the path it is named for
+            posts = loc.transport.pool_stats()
+            # an empty plan has nothing to stage: it is always posted directly (its notification only)
+            other = "direct_posts" if caps.fragments is ALL_STAGED else "staged_posts"
+            if not (other == "direct_posts" and request.node.name.startswith("test_empty_plan")):
+                assert posts[other] == 0, f"{caps.kind}: {posts[other]} {other.split('_')[0]} transfers"
     finally:
         loc.close()
         if caps.in_process:
