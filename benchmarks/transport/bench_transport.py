@@ -611,7 +611,7 @@ def _main(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
         results = cpus.run_counts(args, run)
         for r in results:
-            print(f"-- confined to {r['cpus']} CPU{'s' if r['cpus'] > 1 else ''}")
+            print(f"-- confined to {cpus.label(r['cpus'])}")
             report(r)
         print()
         cpus.report(results)

@@ -24,6 +24,11 @@ def parse_counts(text: str, available: int) -> list[int]:
     return counts
 
 
+def label(n: int) -> str:
+    """'1 CPU', '2 CPUs'."""
+    return f"{n} CPU{'s' if n > 1 else ''}"
+
+
 def _threads() -> list[int]:
     return [int(t) for t in os.listdir("/proc/self/task")]
 
@@ -74,6 +79,5 @@ def report(results: Sequence[dict[str, Any]]) -> None:
         kernel = ""
         if "cma_gbps" in row:
             kernel = f", kernel {row['cma_gbps']:.2f} / {row['cma_gbps_threads']:.2f} GB/s (1 thread / one per CPU)"
-        cpus = f"{row['cpus']} CPU{'s' if row['cpus'] > 1 else ''}"
         speed = f"{row['gbps']:.2f} GB/s, {row['ratio']:.3f} of memcpy{tcp}{kernel}"
-        print(f"{cpus}: {speed}; x{row['speedup']:.2f} of {results[0]['cpus']}")
+        print(f"{label(row['cpus'])}: {speed}; x{row['speedup']:.2f} of {results[0]['cpus']}")
