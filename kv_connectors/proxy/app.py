@@ -115,7 +115,7 @@ async def _models(request: Request) -> Response:
     headers = {"Authorization": auth} if (auth := request.headers.get("authorization")) else {}
     try:
         resp = await ctx.http().get(backend.url + "/v1/models", headers=headers, timeout=ctx.config.decode_timeout_s)
-    except httpx.HTTPError as exc:
+    except Exception as exc:  # only the HTTP client runs in here
         return classify(Role.DECODE, backend.url, exc).to_proxy_error().response()
     return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json"))
 

@@ -292,7 +292,7 @@ class HealthChecker:
     async def _probe(self, backend: Backend) -> str | None:
         try:
             resp = await self.client().get(backend.url + "/health", timeout=self.timeout_s)
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # noqa: BLE001 - httpx's errors, or what it lets through from below
             return f"{type(exc).__name__}: {exc}"
         return None if resp.status_code == 200 else f"HTTP {resp.status_code}"
 

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 import anyio
-import httpx
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -14,11 +13,11 @@ from starlette.types import Receive, Scope, Send
 from .bodies import SseReindexer, merged_usage_event
 from .config import Role
 from .context import ProxyContext
-from .errors import FailureKind, Outcome, ProxyError, sse_error
+from .errors import FailureKind, Outcome, ProxyError, UpstreamFailure, sse_error
 from .seed import ContinuationRewriter
 from .sse import DoneSeen
 from .trace import Trace
-from .upstream import OpenStream, classify
+from .upstream import OpenStream
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -49,8 +48,7 @@ class RelayResponse(StreamingResponse):
                 await self._settle()
             self._trace.finish(self.status_code)
 
-    def _mid_stream_failure(self, stream: OpenStream, exc: httpx.HTTPError) -> bytes:
-        failure = classify(Role.DECODE, stream.call.backend.url, exc)
+    def _mid_stream_failure(self, stream: OpenStream, failure: UpstreamFailure) -> bytes:
         self._trace.outcome = Outcome.FAILED_MID_STREAM
         self._trace.failed(Role.DECODE, stream.call.backend.url)
         if failure.marks_unhealthy:
@@ -78,8 +76,8 @@ class RelayResponse(StreamingResponse):
             tail = b"" if rewriter is None else rewriter.flush()
             if tail:
                 yield tail
-        except httpx.HTTPError as exc:
-            yield self._mid_stream_failure(stream, exc)
+        except UpstreamFailure as failure:
+            yield self._mid_stream_failure(stream, failure)
         else:
             self._trace.outcome = Outcome.OK
 
@@ -96,8 +94,8 @@ class RelayResponse(StreamingResponse):
                         await queue.put(event)
                 for event in reindexer.flush():
                     await queue.put(event)
-            except httpx.HTTPError as exc:
-                failures.append(self._mid_stream_failure(stream, exc))
+            except UpstreamFailure as failure:
+                failures.append(self._mid_stream_failure(stream, failure))
             finally:
                 await queue.put(None)
 

@@ -35,13 +35,32 @@ def timeout(total_s: float) -> httpx.Timeout:
     return httpx.Timeout(total_s, connect=min(CONNECT_TIMEOUT_S, total_s))
 
 
-def classify(role: Role, url: str, exc: httpx.HTTPError) -> UpstreamFailure:
+def classify(role: Role, url: str, exc: Exception) -> UpstreamFailure:
+    """What an exception out of an HTTP call to a backend means for the flows.
+
+    httpx's own errors say it (refused, timed out, dropped); anything else that leaves the call came
+    from below httpx (httpcore's, anyio's or the OS's errors, which httpx lets through where it closes
+    a response: encode/httpx#1463) while the backend's connection failed: a dropped connection, never
+    the proxy's internal error."""
     name = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return UpstreamFailure(role, url, FailureKind.NOT_REACHED, f"unreachable ({name})")
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamFailure(role, url, FailureKind.TIMEOUT, f"timed out ({name})")
+    if not isinstance(exc, httpx.HTTPError):
+        logger.warning("%s server %s: the HTTP client raised %s", role.value, url, name, exc_info=exc)
+        name = f"{type(exc).__module__}.{name}"
     return UpstreamFailure(role, url, FailureKind.DISCONNECTED, f"failed ({name})")
+
+
+async def close_response(resp: httpx.Response) -> None:
+    """Close a backend's response (its connection, when unread: the backend aborts the request), whatever
+    the dying connection raises while closing (httpx lets httpcore's errors through there: encode/httpx#1463)."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await resp.aclose()
+        except Exception as exc:  # noqa: BLE001 - closing a failed connection: nothing left to do
+            logger.debug("closing a response from %s raised %r", resp.request.url, exc)
 
 
 def check_status(role: Role, url: str, resp: httpx.Response) -> None:
@@ -68,10 +87,10 @@ async def post_json(
         try:
             with anyio.fail_after(timeout_s):  # the whole answer, whatever the transport's own timeouts do
                 resp = await client.post(url + path, json=body, headers=headers, timeout=timeout(timeout_s))
-        except httpx.HTTPError as exc:
-            raise classify(role, url, exc) from exc
         except TimeoutError as exc:
             raise _deadline(role, url, timeout_s) from exc
+        except Exception as exc:  # only the HTTP client runs in here
+            raise classify(role, url, exc) from exc
         except asyncio.CancelledError:  # a hedge that lost, a client that left: not the backend's failure
             answered = None
             raise
@@ -104,14 +123,20 @@ class OpenStream:
     call: BackendCall
 
     async def rest(self) -> AsyncIterator[bytes]:
+        """The stream from its first bytes; a failure reading it is an UpstreamFailure (classify)."""
         yield self.first
-        async for chunk in self.chunks:
+        while True:
+            try:
+                chunk = await self.chunks.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as exc:  # only the HTTP client runs in here
+                raise classify(self.call.pool.role, self.call.backend.url, exc) from exc
             yield chunk
 
     async def aclose(self, ok: bool) -> None:
         """Close the upstream (which aborts the request at D if it is still running)."""
-        with anyio.CancelScope(shield=True):
-            await self.response.aclose()
+        await close_response(self.response)
         self.call.end(ok)
 
 
@@ -132,16 +157,15 @@ async def open_stream(
             first = await _until_first_output(role, url, resp, chunks)
     except BaseException as exc:
         if resp is not None:
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
+            await close_response(resp)
         call.end(isinstance(exc, ProxyError))
-        if isinstance(exc, httpx.HTTPError):
-            raise classify(role, url, exc) from exc
         if isinstance(exc, TimeoutError):
             raise _deadline(role, url, timeout_s) from exc
         if isinstance(exc, StopAsyncIteration):
             raise UpstreamFailure(role, url, FailureKind.BAD_ANSWER, "closed its stream without data") from None
-        raise
+        if isinstance(exc, (ProxyError, UpstreamFailure)) or not isinstance(exc, Exception):
+            raise  # the answer judged (check_status, the first event), or a cancellation
+        raise classify(role, url, exc) from exc
     return OpenStream(resp, chunks, first, call)
 
 

@@ -284,6 +284,7 @@ def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> N
         for name in ("ok", "upstream_error", "upstream_timeout", "failed_mid_stream", "no_backend")
     }
     retries0 = proxy_metric(xpyd.proxy, "kvc_proxy_retries_total", role="decode")
+    internal0 = proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="internal_error")
     done = [0]
     lock = threading.Lock()
     kill_now = threading.Event()
@@ -314,6 +315,9 @@ def test_killed_decode_is_evicted_then_used_again_after_restart(xpyd: XPyD) -> N
 
     # No request lost: each one equals the colocated output or carries a clear error, and the proxy counted both.
     errors = [g for g in got if not g.ok]
+    # A dead D is an upstream failure (retried, or a 502 / SSE error naming it), never the proxy's own error.
+    assert not [e for e in errors if e.error.startswith("500")], errors
+    assert proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome="internal_error") == internal0
     bad = [b for b in compare(cases, got, want) if ": error " not in b]
     assert not bad, bad
     after = {name: proxy_metric(xpyd.proxy, "kvc_proxy_requests_total", outcome=name) for name in before}

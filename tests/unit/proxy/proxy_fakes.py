@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import uvicorn
 
 import kv_connectors.proxy  # examples/ is on pytest's pythonpath (pyproject.toml)
 from kv_connectors.proxy.config import BackendSpec, ProxyConfig, SideChannel
+from kvc_testing.procs import free_port
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
 D1, D2 = "http://d1.test:8200", "http://d2.test:8200"
@@ -39,10 +43,19 @@ def text_chunks(texts: list[str], usage: dict[str, int] | None = None) -> list[b
 
 
 class ChunkStream(httpx.AsyncByteStream):
-    """A D response body that yields chunks (optionally slowly, optionally failing) and records its closing."""
+    """A D response body that yields chunks (optionally slowly, optionally failing) and records its closing;
+    `close_fail`: closing it raises that (as httpx lets httpcore's errors out of a response's close)."""
 
-    def __init__(self, chunks: list[bytes], delay_s: float = 0.0, fail: Exception | None = None, fail_first: bool = False) -> None:
+    def __init__(
+        self,
+        chunks: list[bytes],
+        delay_s: float = 0.0,
+        fail: Exception | None = None,
+        fail_first: bool = False,
+        close_fail: Exception | None = None,
+    ) -> None:
         self.chunks, self.delay_s, self.fail, self.fail_first = chunks, delay_s, fail, fail_first
+        self.close_fail = close_fail
         self.sent = 0
         self.closed = False
 
@@ -59,6 +72,8 @@ class ChunkStream(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         self.closed = True
+        if self.close_fail is not None:
+            raise self.close_fail
 
 
 @dataclass
@@ -72,7 +87,8 @@ class Call:
 @dataclass
 class FakeServer:
     """One fake backend. Set `error` (raised), `status` (non-200 answer), `delay_s`, `hold` (wait forever),
-    `stream_factory` (D's stream), `health` (GET /health answers 200 if True, else refuses)."""
+    `stream_factory` (D's stream), `body_factory` (the body of its JSON answer), `health` (GET /health
+    answers 200 if True, else refuses)."""
 
     url: str
     role: str
@@ -85,6 +101,7 @@ class FakeServer:
     health: bool = True
     answer: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     stream_factory: Callable[[], ChunkStream] | None = None
+    body_factory: Callable[[], ChunkStream] | None = None  # the body of a JSON (not streamed) answer
     started: int = 0
     cancelled: int = 0
     streams: list[ChunkStream] = field(default_factory=list)
@@ -162,6 +179,10 @@ class Fleet:
             stream = server.stream_factory() if server.stream_factory else ChunkStream(text_chunks(["a", "b"]))
             server.streams.append(stream)
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+        if server.body_factory is not None:
+            stream = server.body_factory()
+            server.streams.append(stream)
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=stream)
         return httpx.Response(200, json=decode_answer(server.url, body))
 
 
@@ -278,3 +299,21 @@ async def asgi_stream(
 
     await asyncio.wait_for(app(scope, receive, send), timeout=10)
     return messages, chunks
+
+
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Run `app` under uvicorn in a thread on a free port; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

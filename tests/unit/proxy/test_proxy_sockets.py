@@ -3,39 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import kv_connectors.proxy
-from kvc_testing.procs import free_port
-from tests.unit.proxy.proxy_fakes import KV_FROM_P, config
-
-
-@contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Run `app` under uvicorn in a thread on a free port; yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+from tests.unit.proxy.proxy_fakes import KV_FROM_P, config, serve
 
 
 class Backend:
