@@ -196,12 +196,19 @@ def build_layout(
     return KVLayout(num_blocks=num_blocks, block_size=block_size, regions=tuple(regions))
 
 
-def layer_regions(tensors: Sequence[TensorInfo], layout: KVLayout, block_dim: int | None = None) -> dict[str, tuple[int, ...]]:
+def layer_regions(
+    tensors: Sequence[TensorInfo], layout: KVLayout, block_dim: int | None = None, last_owns: bool = False
+) -> dict[str, tuple[int, ...]]:
     """Tensor (layer) name -> indices of its regions in layout; storage shared with an earlier
-    tensor belongs to that earlier tensor (its KV is complete once that layer has run)."""
+    tensor belongs to that earlier tensor (its KV is complete once that layer has run: a layer that
+    reuses another's KV), or with `last_owns` to the last tensor sharing it (a hybrid's KV cache groups
+    overlay one tensor, each block holding the layer of the group that owns it: complete once every
+    layer sharing it has run). Tensors come in layer order."""
     index = {(r.base, r.block_stride, r.seg_len): i for i, r in enumerate(layout.regions)}
     owned: set[int] = set()
     result: dict[str, tuple[int, ...]] = {}
+    if last_owns:
+        return {k: v for k, v in reversed(layer_regions(list(reversed(tensors)), layout, block_dim).items())}
     for info in tensors:
         ids = []
         for region in regions_of_tensor(info, layout.num_blocks, block_dim):

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_connectors.errors import TransferParamsError
+from kv_connectors.groups import MAX_GROUPS
 from kv_connectors.specs import ProducerAddress
 
 # The keys of kv_transfer_params (vLLM's, and the transfer id of Mooncake-style proxies): spelled here only.
@@ -63,6 +64,9 @@ class RemotePrefill:
     remote_tp_size: int | None = None
     remote_block_size: int | None = None  # P's tokens per block, when the params state it
     remote_prompt_digest: str | None = None  # prompt_digest of P's prompt, when the params state it
+    # A hybrid model's P states one block list per KV cache group: remote_block_ids is them side by
+    # side (groups.flatten), these their lengths; () for one group.
+    remote_group_sizes: tuple[int, ...] = ()
 
     def covered_tokens(self, num_prompt: int) -> int:
         """How many of D's `num_prompt` prompt tokens P's KV covers (all when P did not say)."""
@@ -130,15 +134,11 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             f"kv_transfer_params with {DO_REMOTE_PREFILL} lacks {', '.join(missing)} "
             "(copy the prefill server's kv_transfer_params into the decode request)"
         )
-    ids = params[REMOTE_BLOCK_IDS]
-    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
-        ids = ids[0]  # the built-in's shape: one list per KV cache group (we serve one group)
-    if not isinstance(ids, list) or not ids:
-        raise TransferParamsError(f"kv_transfer_params[{REMOTE_BLOCK_IDS!r}] must be a non-empty list, got {ids!r}")
-    block_ids = tuple(_int(f"{REMOTE_BLOCK_IDS}[]", b, 0) for b in ids)
+    block_ids, group_sizes = _block_ids(params[REMOTE_BLOCK_IDS])
     num_tokens = params.get(REMOTE_NUM_TOKENS)
     return RemotePrefill(
         remote_block_ids=block_ids,
+        remote_group_sizes=group_sizes,
         remote_engine_id=_str(REMOTE_ENGINE_ID, params[REMOTE_ENGINE_ID]),
         remote_request_id=_str(REMOTE_REQUEST_ID, params[REMOTE_REQUEST_ID]),
         remote_host=_str(REMOTE_HOST, params[REMOTE_HOST]),
@@ -149,6 +149,24 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         remote_block_size=None if params.get(REMOTE_BLOCK_SIZE) is None else _int(REMOTE_BLOCK_SIZE, params[REMOTE_BLOCK_SIZE], 1),
         remote_prompt_digest=_digest(params.get(REMOTE_PROMPT_DIGEST)),
     )
+
+
+def _block_ids(ids: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """P's block ids: one list (one KV cache group), or one list per group (the built-in's shape, which a
+    single group also takes): (the ids side by side, each group's count; () for one group)."""
+    name = REMOTE_BLOCK_IDS
+    if isinstance(ids, list) and ids and all(isinstance(g, list) for g in ids):
+        if len(ids) > MAX_GROUPS:
+            raise TransferParamsError(f"kv_transfer_params[{name!r}] names {len(ids)} KV cache groups, at most {MAX_GROUPS}")
+        if len(ids) > 1:
+            flat = tuple(_int(f"{name}[][]", b, 0) for g in ids for b in g)
+            if not flat:
+                raise TransferParamsError(f"kv_transfer_params[{name!r}] must name a block, got {ids!r}")
+            return flat, tuple(len(g) for g in ids)
+        ids = ids[0]
+    if not isinstance(ids, list) or not ids:
+        raise TransferParamsError(f"kv_transfer_params[{name!r}] must be a non-empty list, got {ids!r}")
+    return tuple(_int(f"{name}[]", b, 0) for b in ids), ()
 
 
 def _tp_size(params: Mapping[str, Any]) -> int | None:
@@ -248,7 +266,7 @@ def parse_request_params(params: Any) -> RequestParams:
 
 def producer_params(
     *,
-    block_ids: list[int],
+    block_ids: Sequence[int] | Sequence[Sequence[int]],
     engine_id: str,
     request_id: str,
     host: str,
@@ -266,7 +284,7 @@ def producer_params(
     params = {
         DO_REMOTE_PREFILL: True,
         DO_REMOTE_DECODE: False,
-        REMOTE_BLOCK_IDS: list(block_ids),
+        REMOTE_BLOCK_IDS: [list(g) if isinstance(g, Sequence) else g for g in block_ids],  # one list per group: hybrids
         REMOTE_ENGINE_ID: engine_id,
         REMOTE_REQUEST_ID: transfer_id or request_id,
         REMOTE_HOST: host,

@@ -8,45 +8,14 @@ import hmac
 
 import msgspec
 
+from kv_connectors.compatinfo import WIRE_VERSION as WIRE_VERSION  # re-exported: peers import them from here
+from kv_connectors.compatinfo import CompatInfo as CompatInfo
 from kv_connectors.counters import Counters
 from kv_connectors.errors import HandshakeError, IncompatiblePeerError, UnauthenticatedPeerError
 from kv_connectors.layout import Cells, KVLayout, Part, Region
 
-# Wire history: 1 = handshake, push, notifications; 2 = claims (the fence), renewals, epochs, MACs;
-# 3 = Mooncake transport metadata carries the registered ranges, the error code set is closed;
-# 4 = push requests name their attempt and D's budget, D aborts a push and P confirms it settled.
-# A peer of another version is refused at the handshake with "upgrade both sides".
-WIRE_VERSION = 4
 MAX_ADDRESS = 2**63  # planned addresses are int64
 _MAX_HEADS = 2**16  # KV heads a peer may claim to hold (head indices are planned as int64)
-
-
-class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What two peers must agree on to exchange KV blocks; hashed into the compatibility hash."""
-
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_kv_heads: int
-    head_size: int
-    vocab_size: int
-    dtype: str
-    block_size: int  # 0 where the layout's cells let the planner map tokens between block sizes
-    layout: tuple[int, ...]  # KVLayout.compat_signature()
-    transport: str = ""  # e.g. "nixl" or "mooncake+staging": peers must move data the same way
-    wire_version: int = WIRE_VERSION
-
-    def hash(self) -> str:
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
-
-    def diff(self, other: CompatInfo, mine: str = "ours", theirs: str = "peer") -> str:
-        """Human-readable list of the fields that differ (for error messages)."""
-        parts = [
-            f"{f}: {mine}={getattr(self, f)!r} {theirs}={getattr(other, f)!r}"
-            for f in self.__struct_fields__
-            if getattr(self, f) != getattr(other, f)
-        ]
-        return "; ".join(parts) or "no field differs"
 
 
 class Header(msgspec.Struct, frozen=True, array_like=True):

@@ -16,8 +16,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.request import RequestStatus
+
+from kv_connectors.errors import ConfigError
+from kv_connectors.groups import CacheGroup, CacheGroups, GroupKind
 
 try:  # 0.32 and 0.33 both have it; older releases only know get_finished().
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -119,9 +123,39 @@ def num_kv_cache_groups(kv_cache_config: Any) -> int:
     return len(kv_cache_config.kv_cache_groups)
 
 
-def unhashed_block_ids(blocks: Any) -> list[int]:
-    """Blocks allocated for this load (not local prefix-cache hits), single KV cache group."""
-    return [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not getattr(b, "is_null", False)]
+def cache_groups(kv_cache_config: Any, connector: str) -> CacheGroups:
+    """The model's KV cache groups. One group is served whatever its spec (as before hybrids); with
+    several, each must be a kind we move (full attention, sliding window), else a ConfigError naming
+    the group, its kind and layers: a partial load would serve wrong answers."""
+    specs = list(kv_cache_config.kv_cache_groups)
+    if len(specs) == 1:
+        g = specs[0]
+        return CacheGroups((CacheGroup(GroupKind.FULL, tuple(g.layer_names), int(g.kv_cache_spec.block_size)),))
+    groups = []
+    for i, g in enumerate(specs):
+        spec, layers = g.kv_cache_spec, tuple(g.layer_names)
+        why = None
+        if not getattr(g, "enable_kv_transfer", True):
+            why = "vLLM rebuilds it after a load (enable_kv_transfer is off)"
+        elif isinstance(spec, MLAAttentionSpec) or type(spec).__name__ == "SlidingWindowMLASpec":
+            why = "MLA in a model of several KV cache groups is not supported yet"
+        elif isinstance(spec, SlidingWindowSpec):
+            groups.append(CacheGroup(GroupKind.SLIDING, layers, int(spec.block_size), int(spec.sliding_window)))
+        elif type(spec) is FullAttentionSpec:
+            groups.append(CacheGroup(GroupKind.FULL, layers, int(spec.block_size)))
+        else:
+            why = "this kind of KV cache group is not supported yet"
+        if why is not None:
+            raise ConfigError(
+                f"{connector}: KV cache group {i} of {len(specs)} ({type(spec).__name__}, layers {', '.join(layers)}): "
+                f"{why}. Moving the other groups alone would serve wrong answers, so this instance does not start"
+            )
+    return CacheGroups(tuple(groups))
+
+
+def unhashed_block_ids(blocks: Any, group: int = 0) -> list[int]:
+    """Blocks allocated for this load in one KV cache group (not local prefix-cache hits, not null)."""
+    return [b.block_id for b in blocks.blocks[group] if b.block_hash is None and not getattr(b, "is_null", False)]
 
 
 def cpu_attn_isa(vllm_config: Any) -> str | None:

@@ -11,8 +11,9 @@ from typing import Any, ClassVar
 import torch
 
 from kv_connectors import affinity, config
-from kv_connectors.config import ConnectorConfig, parse_config
+from kv_connectors.config import ConnectorConfig, TransferMode, parse_config
 from kv_connectors.errors import ConfigError
+from kv_connectors.groups import CacheGroups
 from kv_connectors.layout import (
     Cells,
     TensorInfo,
@@ -113,6 +114,19 @@ def layerwise_under_cudagraphs(cfg: ConnectorConfig, vllm_config: Any) -> Connec
     return cfg
 
 
+def hybrid_modes(cfg: ConnectorConfig, groups: CacheGroups | None, connector: str) -> ConnectorConfig:
+    """A model of several KV cache groups moves them by D's reads (pull) so far: push, where P pairs its
+    blocks with D's, is refused at start-up, and P's layer-wise writes (push too) are off."""
+    if groups is None or not groups.hybrid:
+        return cfg
+    if cfg.mode is TransferMode.PUSH and cfg.role.consumes:
+        raise ConfigError(
+            f'{connector}: "mode": "push" is not supported yet for models with several KV cache groups '
+            f'({", ".join(g.kind.value for g in groups.groups)}); use "mode": "pull"'
+        )
+    return dataclasses.replace(cfg, layerwise=False) if cfg.layerwise else cfg
+
+
 class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     """Base of our connectors; a subclass names its transport kind (`transport_name`, a kind known to
     `kv_connectors.transports.create_transport`) and may set default extra-config keys."""
@@ -128,12 +142,8 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         compat.warn_if_untested()
         kvt = vllm_config.kv_transfer_config
         cfg = parse_config(kvt.engine_id, kvt.kv_role, kvt.kv_connector_extra_config, self.default_extra_config)
-        self._cfg: ConnectorConfig = layerwise_under_cudagraphs(cfg, vllm_config)
-        if kv_cache_config is not None and compat.num_kv_cache_groups(kv_cache_config) != 1:
-            raise ConfigError(
-                f"{type(self).__name__} supports models with one KV cache group; this model has "
-                f"{compat.num_kv_cache_groups(kv_cache_config)} (hybrid attention is not supported yet)"
-            )
+        self._groups = compat.cache_groups(kv_cache_config, type(self).__name__) if kv_cache_config is not None else None
+        self._cfg: ConnectorConfig = hybrid_modes(layerwise_under_cudagraphs(cfg, vllm_config), self._groups, type(self).__name__)
         self._block_size = int(vllm_config.cache_config.block_size)
         tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         # The worker's rank in its TP group (parallel_config.rank counts TP ranks first).
@@ -145,7 +155,8 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         self._worker: WorkerSide | None = None
         self._kv_device: torch.device | None = None  # the KV cache's GPU, once registered (None: host memory)
         if role == compat.KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self._cfg, self._block_size, self._cfg.instance_port(dp_index, tp_size), tp_size=tp_size)
+            port = self._cfg.instance_port(dp_index, tp_size)
+            self._sched = SchedulerSide(self._cfg, self._block_size, port, tp_size=tp_size, groups=self._groups)
         else:
             # On the thread vLLM creates us on (the engine's), before it starts its output threads.
             device_type = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
@@ -217,12 +228,17 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         layout = dataclasses.replace(layout, cells=cells)
         if layout.cells is not None:
             facts["block_size"] = 0  # planned token by token: P's and D's may differ
-        compat_info = CompatInfo(layout=layout.compat_signature(), **facts)
+        compat_info = CompatInfo(layout=layout.compat_signature(), groups=self._group_signature(), **facts)
         kind = MemoryKind.DEVICE if first.device.type != "cpu" else MemoryKind.HOST
         self._kv_device = None if on_cpu else first.device  # writes from it wait for its kernels (device.py)
-        self.worker_side.register(layout, compat_info, kind, first.device.index or 0, layer_regions(infos, layout))
+        # A hybrid's groups overlay one tensor: its KV is complete once the last layer sharing it has run.
+        owners = layer_regions(infos, layout, last_owns=bool(self._groups and self._groups.hybrid))
+        self.worker_side.register(layout, compat_info, kind, first.device.index or 0, owners)
         # Rank 0 names the others' side channels to peers (config.PortLayout): every rank's, gathered.
         self.worker_side.set_directory(compat.tp_all_gather(self.worker_side.address, self._tp_size))
+
+    def _group_signature(self) -> tuple[tuple[str, int, int, int], ...]:
+        return self._groups.signature() if self._groups is not None else ()
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Called before the forward pass (vLLM starts asynchronous loads only after it): the one
@@ -308,7 +324,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return self.scheduler_side.request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request, list(block_ids[0]) if block_ids else [])
+        return self.scheduler_side.request_finished_all_groups(request, block_ids)
 
 
 class NixlConnector(KVConnector):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -10,33 +9,25 @@ from typing import Any
 
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import TransferParamsError
+from kv_connectors.groups import CacheGroups, flatten
 from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.params import (
     NO_PARAMS,
-    REMOTE_BLOCK_IDS,
-    REMOTE_PROMPT_DIGEST,
     RemotePrefill,
     RequestParams,
     parse_request_params,
     producer_params,
     prompt_digest,
 )
-from kv_connectors.plan import TokenRange, blocks_for_tokens
+from kv_connectors.plan import TokenRange
 from kv_connectors.specs import ProducerAddress
-from kv_connectors.vllm.compat import FINISHED_NORMALLY, unhashed_block_ids
+from kv_connectors.vllm.compat import FINISHED_NORMALLY
+from kv_connectors.vllm.loads import Checked, check_load, covered_digest, pair_blocks
 from kv_connectors.vllm.metadata import ConnectorMetadata, RecvSpec, SendSpec
 from kv_connectors.vllm.stats import REQUESTS_WITHOUT_PARAMS, KvcStats
 
 logger = logging.getLogger(__name__)
 _limited = RateLimitedLog(logger, interval_s=60.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Parsed:
-    """A D request's params: P's address when usable, and what is wrong with them, if anything."""
-
-    remote: RemotePrefill | None
-    error: TransferParamsError | None
 
 
 class SchedulerSide:
@@ -49,16 +40,19 @@ class SchedulerSide:
         rank_port: int,
         clock: Callable[[], float] = time.monotonic,
         tp_size: int = 1,
+        groups: CacheGroups | None = None,
     ) -> None:
         self._cfg = cfg
         self._tp_size = tp_size
+        # The model's KV cache groups; a hybrid's requests move every group's blocks (kv_connectors.groups).
+        self._groups = groups if groups is not None else CacheGroups(())
         self._clock = clock
         self._block_size = block_size
         self._port = rank_port
         # Each request's kv_transfer_params, parsed once (when first seen), until it finishes.
         self._params: dict[str, RequestParams] = {}
         # Parsed params (or the reason they are bad) of requests that asked for a remote prefill.
-        self._pending: dict[str, _Parsed] = {}
+        self._pending: dict[str, Checked] = {}
         self._consumed: set[str] = set()  # loaded once: never load again (e.g. after preemption)
         # P: requests sent with a transfer id (D may be waiting already) -> that id.
         self._transfer_ids: dict[str, str] = {}
@@ -148,47 +142,12 @@ class SchedulerSide:
         if rid in self._consumed or not params.remote_prefill:
             return 0, False
         if rid not in self._pending:
-            self._pending[rid] = self._check(request, params)
+            self._pending[rid] = check_load(request, params, self._block_size, self._groups)
         num_prompt = len(request.prompt_token_ids or ())
         remote = self._pending[rid].remote
         count = (num_prompt if remote is None else remote.covered_tokens(num_prompt)) - num_computed_tokens
         # A bad request still goes the asynchronous way so that the worker can fail it cleanly.
         return (count, True) if count > 0 else (0, False)
-
-    def _check(self, request: Any, params: RequestParams) -> _Parsed:
-        """Params checked against the request; a bad request keeps P's address when it is usable,
-        so that P can still be told to free its blocks."""
-        rp = params.prefill
-        if rp is None:
-            logger.debug("request %s: %s", request.request_id, params.prefill_error)
-            return _Parsed(params.release, params.prefill_error)  # P can still be told to free its blocks
-        prompt = request.prompt_token_ids or ()
-        num_prompt = len(prompt)
-        covered = rp.covered_tokens(num_prompt)
-        needed = blocks_for_tokens(covered, rp.remote_block_size or self._block_size)
-        error = None
-        if rp.push_only:
-            pass  # P's blocks are unknown until P writes them: P checks the count then
-        elif rp.remote_num_tokens is not None and rp.remote_num_tokens > num_prompt:
-            error = TransferParamsError(
-                f"prefill had {rp.remote_num_tokens} prompt tokens, this request has {num_prompt}: "
-                "the decode request must carry the prefill request's prompt"
-            )
-        elif rp.remote_prompt_digest is not None and prompt_digest(list(prompt[:covered])) != rp.remote_prompt_digest:
-            error = TransferParamsError(
-                f"the decode request's first {covered} prompt tokens differ from the prefill request's prompt: "
-                "the decode request must carry the prefill request's prompt"
-            )
-        elif covered < num_prompt and rp.remote_prompt_digest is None:
-            error = TransferParamsError(
-                f"prefill had {covered} prompt tokens, this request has {num_prompt}: a longer decode prompt needs "
-                f"the prefill's {REMOTE_PROMPT_DIGEST}"
-            )
-        elif len(rp.remote_block_ids) != needed:
-            error = TransferParamsError(f"{REMOTE_BLOCK_IDS} has {len(rp.remote_block_ids)} blocks, the prompt fills {needed}")
-        if error is not None:
-            logger.debug("request %s: %s", request.request_id, error)
-        return _Parsed(rp, error)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -209,14 +168,16 @@ class SchedulerSide:
             # Every block is a local prefix hit: nothing to read, but P must free its copy.
             self._release(request, rp)
             return
-        local = unhashed_block_ids(blocks)
         covered = rp.covered_tokens(len(request.prompt_token_ids or ()))  # D computes any tokens after these
         first = covered - num_external_tokens  # tokens D has (prefix-cache hits): not loaded
         p_bs = rp.remote_block_size or self._block_size
-        if p_bs == self._block_size:
-            remote = rp.remote_block_ids[len(rp.remote_block_ids) - len(local) :] if rp.remote_block_ids else ()
-        else:
-            remote = rp.remote_block_ids[first // p_bs :]
+        try:
+            local, remote = pair_blocks(blocks, rp, first, self._block_size, self._groups)
+        except TransferParamsError as e:  # a hybrid's group whose blocks P no longer holds
+            logger.debug("request %s: %s", rid, e)
+            self._meta.reqs_failed[rid] = str(e)
+            self._release(request, rp)
+            return
         arrived = getattr(request, "arrival_time", None)  # vLLM's wall-clock arrival (time.time())
         self._meta.reqs_to_recv[rid] = RecvSpec(
             peer_key=rp.peer_key,
@@ -228,7 +189,7 @@ class SchedulerSide:
             tokens=TokenRange(
                 first, num_external_tokens, src_start=first - first % p_bs, dst_start=first - first % self._block_size
             ),
-            prompt_digest=_covered_digest(request, rp),
+            prompt_digest=covered_digest(request, rp),
         )
 
     def _release(self, request: Any, rp: RemotePrefill) -> None:
@@ -240,7 +201,7 @@ class SchedulerSide:
             (),
             report=False,
             remote_tp_size=rp.remote_tp_size,
-            prompt_digest=_covered_digest(request, rp),
+            prompt_digest=covered_digest(request, rp),
         )
 
     # P side and both -----------------------------------------------------------------------
@@ -267,7 +228,18 @@ class SchedulerSide:
             self._meta.reqs_layerwise[new.req_id] = SendSpec(tuple(new.block_ids[0]), key, prompt_digest=digest)
             self._layerwise.add(new.req_id)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with one block list per KV cache group. A hybrid's P holds every group's blocks
+        that hold KV (a sliding window's inside it) and states them group by group."""
+        if not self._groups.hybrid:
+            return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+        held = self._groups.held(block_ids) if any(block_ids) else ()
+        return self.request_finished(request, list(flatten(held)[0]), held)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int], per_group: tuple[tuple[int, ...], ...] = ()
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`per_group`: a hybrid's blocks group by group (block_ids is them side by side)."""
         rid = request.request_id
         self._left_queue(rid)
         consumed = rid in self._consumed
@@ -279,7 +251,7 @@ class SchedulerSide:
         parsed = self._pending.pop(rid, None)
         if parsed is None and not consumed and params.remote_prefill:
             # Aborted while still waiting: the scheduler never looked at it (e.g. behind max_num_seqs).
-            parsed = self._check(request, params)
+            parsed = check_load(request, params, self._block_size, self._groups)
         if parsed is not None and parsed.remote is not None:
             # D request finished before it was scheduled (abort): P must not hold its blocks.
             self._release(request, parsed.remote)
@@ -299,7 +271,7 @@ class SchedulerSide:
         digest = prompt_digest(request.prompt_token_ids) if request.prompt_token_ids is not None else None
         self._meta.reqs_to_send[rid] = SendSpec(tuple(block_ids), key, prompt_digest=digest or "")
         return True, producer_params(
-            block_ids=block_ids,
+            block_ids=per_group or block_ids,
             engine_id=self._cfg.engine_id,
             request_id=rid,
             host=self._cfg.side_channel_host,
@@ -310,14 +282,3 @@ class SchedulerSide:
             block_size=self._block_size,
             digest=digest,
         )
-
-
-def _covered_digest(request: Any, rp: RemotePrefill) -> str:
-    """prompt_digest of the request's prompt tokens P's KV covers: what a push request or release
-    states, so that P neither writes nor frees another prompt's KV for it."""
-    prompt = request.prompt_token_ids
-    if prompt is None or getattr(request, "abort_immediately", False):
-        # Prompt embeddings (P states none either), or vLLM's stand-in for a request that failed
-        # before admission: a one-token placeholder prompt sent only to free P's blocks.
-        return ""
-    return prompt_digest(list(prompt[: rp.covered_tokens(len(prompt))]))

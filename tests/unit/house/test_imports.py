@@ -31,6 +31,8 @@ PURE = {
     "tp",
     "plan",
     "params",
+    "groups",
+    "compatinfo",
     "counters",
     "wire",
     "specs",

@@ -170,14 +170,43 @@ def _model_config() -> Any:
     return ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
 
 
-def scheduler(role: str, extra: Mapping[str, Any] | None = None, *, transport: str = "nixl", chunk_tokens: int = 0) -> Any:
-    """vLLM's Scheduler as the engine core builds it, with our connector from the module-path form
-    (scheduler.connector) and a one-group KV cache of NUM_BLOCKS blocks; chunk_tokens: a token
-    budget per step that chunks longer prefills."""
+HYBRID_WINDOW = 64  # kvc_testing.hybrid_model's sliding window, in tokens
+
+
+def kv_cache_groups(kinds: Sequence[str] = ("full",)) -> list[Any]:
+    """KV cache groups as vLLM makes them: one per kind ("full", "sliding": a window of HYBRID_WINDOW
+    tokens, "mamba"), two layers each, layer i of every group overlaying the same tensor (HMA)."""
     import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+
+    attn = dict(num_kv_heads=2, head_size=32, dtype=torch.float32)
+    groups = []
+    for g, kind in enumerate(kinds):
+        layers = [f"model.layers.{g + len(kinds) * i}.self_attn.attn" for i in range(2)]
+        if kind == "full":
+            spec: Any = FullAttentionSpec(block_size=BLOCK, **attn)
+        elif kind == "sliding":
+            spec = SlidingWindowSpec(block_size=BLOCK, sliding_window=HYBRID_WINDOW, **attn)
+        else:
+            spec = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
+        groups.append(KVCacheGroupSpec(layers, spec))
+    return groups
+
+
+def scheduler(
+    role: str,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    transport: str = "nixl",
+    chunk_tokens: int = 0,
+    groups: Sequence[str] = ("full",),
+) -> Any:
+    """vLLM's Scheduler as the engine core builds it, with our connector from the module-path form
+    (scheduler.connector) and a KV cache of NUM_BLOCKS blocks in `groups` (kv_cache_groups: one full
+    attention group unless said); chunk_tokens: a token budget per step that chunks longer prefills."""
     from vllm.config import SchedulerConfig
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.structured_output import StructuredOutputManager
 
     budget = chunk_tokens or MAX_MODEL_LEN
@@ -195,9 +224,7 @@ def scheduler(role: str, extra: Mapping[str, Any] | None = None, *, transport: s
         kv_transfer_config=vllm_config(role, extra, transport=transport).kv_transfer_config,
     )
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets from the workers' memory
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(TINY_LLAMA["num_hidden_layers"])]
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups(groups))
     return Scheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=False)
 
 
