@@ -240,3 +240,15 @@ def metric(url: str, name: str, *, missing_ok: bool = False) -> float:
     if not found and not missing_ok:
         raise AssertionError(f"{url}/metrics has no {name!r}")
     return total
+
+
+def labelled(url: str, name: str, labels: dict[str, str]) -> float:
+    """Sum of a metric's samples on a server's /metrics that carry these labels (an error if none does)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    found = [
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+        if line.startswith(name + "{") and all(w in line.split("}", 1)[0] for w in want)
+    ]
+    assert found, f"{url}/metrics has no {name}{labels}"
+    return sum(found)

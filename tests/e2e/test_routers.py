@@ -29,7 +29,16 @@ import httpx
 import pytest
 
 from kvc_testing import routers
-from kvc_testing.cluster import MODULE_FORM, MOONCAKE_MODULE_FORM, make_prompts, metric, pd_server, stats, wait_until
+from kvc_testing.cluster import (
+    MODULE_FORM,
+    MOONCAKE_MODULE_FORM,
+    labelled,
+    make_prompts,
+    metric,
+    pd_server,
+    stats,
+    wait_until,
+)
 from kvc_testing.procs import VllmServer
 from kvc_testing.routers import PINS, RouterProcess, ensure_routers, register_smg_workers, smg, vllm_router
 from tests.e2e.conftest import MAX_MODEL_LEN
@@ -48,18 +57,6 @@ WORDS = (
 ).split()
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def labelled(url: str, name: str, labels: dict[str, str]) -> float:
-    """Sum of a metric's samples on a server's /metrics that carry these labels (an error if none does)."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    found = [
-        float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-        if line.startswith(name + "{") and all(w in line.split("}", 1)[0] for w in want)
-    ]
-    assert found, f"{url}/metrics has no {name}{labels}"
-    return sum(found)
 
 
 @dataclass(frozen=True)
