@@ -39,8 +39,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check kv_connectors kvc_testing tests benchmarks examples
 	$(VENV)/bin/mypy
 
+# Each tier (unit, contract, transports, e2e) its own pytest run; their times printed at the end.
 test: lint
-	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
+	$(VPY) -m kvc_testing.tiers -- -q $(PYTEST_ARGS)
 
 # Unit tests only (core, engine over the memory transport with a fake clock, proxy): about a minute.
 test-fast test-unit: lint
