@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kv-connectors-installed
 APT_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults bench-load bench-idle gpu-check gpu-check-ray test-ray-serve clean
+.PHONY: all setup demo lint test test-fast test-unit test-contract test-transports test-e2e test-vllm-next bench bench-e2e bench-faults bench-load bench-idle bench-first-request gpu-check gpu-check-ray test-ray-serve clean
 
 all: test
 
@@ -96,6 +96,11 @@ bench-faults: $(STAMP)
 # restarted, side channels fuzzed): wrong, lost, errors, p50/p99 and where the slowest waited (~5 minutes).
 bench-load: $(STAMP)
 	$(VPY) -m benchmarks.faults.bench_load $(BENCH_ARGS)
+
+# The first request after start-up of a fresh P and D, for 3 unlike shapes (TP 2 -> 1, TP 1 -> 2 push, block
+# 32 -> 64), every deadline at its default, the host loaded by a busy loop per core (~5 minutes).
+bench-first-request: $(STAMP)
+	$(VPY) -m benchmarks.faults.bench_first_request $(BENCH_ARGS)
 
 # A long-lived P and D while short-lived peers come and go (stopped, killed, frozen): the cores each
 # uses while idle after every step (~6 minutes; BENCH_ARGS='--extra-config {"nixl_num_threads": 0}' to compare).

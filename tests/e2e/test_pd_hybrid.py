@@ -1,9 +1,9 @@
 """Hybrid models with real vLLM servers: a tiny Gemma 3 (sliding window and global layers alternating) and
 a tiny gpt-oss (sliding and full layers, attention sinks, experts), two KV cache groups each. Through the
 proxy, D's greedy output equals a colocated server's with every prompt loaded from P (vLLM counts the
-prompt tokens it took from the transfer), also over Mooncake (D pulling) and through CPU staging; a
-prompt longer than the window moves only the window's blocks of its sliding layers; a prefill with
-perturbed K/V weights changes D's output (the KV travelled)."""
+prompt tokens it took from the transfer), also over Mooncake (D pulling, gpt-oss) and through CPU
+staging (Gemma 3); a prompt longer than the window moves only the window's blocks of its sliding
+layers; a Gemma 3 prefill with perturbed K/V weights changes D's output (the KV travelled)."""
 
 from __future__ import annotations
 
@@ -119,21 +119,16 @@ def test_a_prompt_longer_than_the_window_moves_only_the_windows_blocks_of_its_sl
     print(f"\n{hybrid.family}: a {len(prompt)}-token prompt moved {moved} bytes, {moved / full_attention:.2f} of full attention's")
 
 
-def test_foreign_kv_from_a_perturbed_hybrid_prefill_changes_decode_output(hybrid: Hybrid) -> None:
-    model = perturb_kv_weights(hybrid.model)
-    server = pd_server(model, "kv_producer", name=f"P-{hybrid.family}-perturbed", max_model_len=MAX_MODEL_LEN)
-    with server:
-        server.wait_ready()
-        assert_foreign_kv_changes_output(hybrid.reference, server, hybrid.decode)
-
-
-def test_hybrid_over_mooncake_pull_and_through_staging(hybrid: Hybrid) -> None:
-    """gpt-oss: P and D over Mooncake with D pulling; Gemma 3: NIXL through CPU staging."""
+def test_hybrid_over_mooncake_pull_through_staging_and_with_foreign_kv(hybrid: Hybrid) -> None:
+    """gpt-oss: P and D over Mooncake with D pulling. Gemma 3: NIXL through CPU staging, and a prefill
+    with perturbed K/V weights (same compatibility hash) changes D's output: the KV travelled."""
     if hybrid.family == "gpt_oss":
-        form, extra = MOONCAKE_MODULE_FORM, {"mode": "pull"}
+        form, extra, name = MOONCAKE_MODULE_FORM, {"mode": "pull"}, "mooncake"
     else:
-        form, extra = MODULE_FORM, {"staging": "on"}
-    name = "mooncake" if hybrid.family == "gpt_oss" else "staged"
+        form, extra, name = MODULE_FORM, {"staging": "on"}, "staged"
+        perturbed = pd_server(perturb_kv_weights(hybrid.model), "kv_producer", name="P-perturbed", max_model_len=MAX_MODEL_LEN)
+        with perturbed:
+            assert_foreign_kv_changes_output(hybrid.reference, perturbed, hybrid.decode)
     p = pd_server(hybrid.model, "kv_producer", form=form, name=f"P-{name}", max_model_len=MAX_MODEL_LEN, extra_config=extra)
     d = pd_server(hybrid.model, "kv_consumer", form=form, name=f"D-{name}", max_model_len=MAX_MODEL_LEN, extra_config=extra)
     try:
