@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from .sse import EventKind, FirstOutput, error_message
 
 CONNECT_TIMEOUT_S = 5.0
 logger = logging.getLogger("kv_connectors.proxy")
+TRACEBACK_EVERY_S = 60.0  # a foreign error's traceback, once a minute per backend and type (a dying one raises it per request)
+_tracebacks: dict[str, float] = {}
 
 
 async def cancel_task(task: asyncio.Future[Any]) -> None:
@@ -48,9 +51,21 @@ def classify(role: Role, url: str, exc: Exception) -> UpstreamFailure:
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamFailure(role, url, FailureKind.TIMEOUT, f"timed out ({name})")
     if not isinstance(exc, httpx.HTTPError):
-        logger.warning("%s server %s: the HTTP client raised %s", role.value, url, name, exc_info=exc)
+        _traceback(f"{role.value} {url} {type(exc).__name__}", exc)
         name = f"{type(exc).__module__}.{name}"
     return UpstreamFailure(role, url, FailureKind.DISCONNECTED, f"failed ({name})")
+
+
+def _traceback(key: str, exc: Exception) -> None:
+    """Log where a foreign error came from, at most once per TRACEBACK_EVERY_S for `key` (the failure itself
+    is logged per request by the flows)."""
+    now = time.monotonic()
+    if now - _tracebacks.get(key, float("-inf")) < TRACEBACK_EVERY_S:
+        return
+    if len(_tracebacks) >= 1024:
+        _tracebacks.clear()
+    _tracebacks[key] = now
+    logger.warning("%s: the HTTP client raised %s from below httpx", key, type(exc).__name__, exc_info=exc)
 
 
 async def close_response(resp: httpx.Response) -> None:
