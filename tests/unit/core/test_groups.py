@@ -3,12 +3,14 @@ compatibility hash and its diff with groups."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kv_connectors.errors import TransferParamsError
 from kv_connectors.groups import NULL_BLOCK, CacheGroup, CacheGroups, GroupKind, flatten, pair_tails, split
 from kv_connectors.params import parse_remote_prefill, producer_params
 from kv_connectors.wire import CompatInfo
+from tests.unit.core.wire_samples import COMPAT
 
 SLIDING = CacheGroup(GroupKind.SLIDING, ("l0", "l2"), 32, window=64)
 FULL = CacheGroup(GroupKind.FULL, ("l1", "l3"), 32)
@@ -61,18 +63,7 @@ def test_bad_per_group_block_ids_are_refused(ids):
 
 
 def _info(**kw) -> CompatInfo:
-    base = dict(
-        architecture="Gemma3ForCausalLM",
-        num_layers=4,
-        hidden_size=128,
-        num_kv_heads=2,
-        head_size=32,
-        vocab_size=1024,
-        dtype="float32",
-        block_size=0,
-        layout=(2, 1),
-    )
-    return CompatInfo(**{**base, **kw})
+    return msgspec.structs.replace(COMPAT, **kw)
 
 
 def test_groups_are_in_the_hash_and_the_diff_names_each_field():
