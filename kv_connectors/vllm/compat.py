@@ -119,18 +119,16 @@ def cudagraph_mode(vllm_config: Any) -> tuple[str, bool, bool]:
     return mode.name, mode.mixed_mode() == CUDAGraphMode.FULL, mode.decode_mode() == CUDAGraphMode.FULL
 
 
-def num_kv_cache_groups(kv_cache_config: Any) -> int:
-    return len(kv_cache_config.kv_cache_groups)
-
-
 def cache_groups(kv_cache_config: Any, connector: str) -> CacheGroups:
     """The model's KV cache groups. One group is served whatever its spec (as before hybrids); with
     several, each must be a kind we move (full attention, sliding window), else a ConfigError naming
     the group, its kind and layers: a partial load would serve wrong answers."""
     specs = list(kv_cache_config.kv_cache_groups)
-    if len(specs) == 1:
-        g = specs[0]
-        return CacheGroups((CacheGroup(GroupKind.FULL, tuple(g.layer_names), int(g.kv_cache_spec.block_size)),))
+    if len(specs) == 1:  # any spec; a sliding window's null blocks are still never named
+        g, spec = specs[0], specs[0].kv_cache_spec
+        sliding = isinstance(spec, SlidingWindowSpec)
+        kind, window = (GroupKind.SLIDING, int(spec.sliding_window)) if sliding else (GroupKind.FULL, 0)
+        return CacheGroups((CacheGroup(kind, tuple(g.layer_names), int(spec.block_size), window),))
     groups = []
     for i, g in enumerate(specs):
         spec, layers = g.kv_cache_spec, tuple(g.layer_names)
@@ -217,7 +215,6 @@ __all__ = [
     "VLLM_VERSION",
     "kv_heads",
     "model_facts",
-    "num_kv_cache_groups",
     "share_vllm_logging",
     "transfer_results",
     "unhashed_block_ids",

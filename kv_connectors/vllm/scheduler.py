@@ -231,7 +231,7 @@ class SchedulerSide:
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hook with one block list per KV cache group. A hybrid's P holds every group's blocks
         that hold KV (a sliding window's inside it) and states them group by group."""
-        if not self._groups.hybrid:
+        if not self._groups.hybrid:  # one group: its table as vLLM gives it (positions kept, nulls and all)
             return self.request_finished(request, list(block_ids[0]) if block_ids else [])
         held = self._groups.held(block_ids) if any(block_ids) else ()
         return self.request_finished(request, list(flatten(held)[0]), held)

@@ -135,3 +135,17 @@ def test_p_does_not_mark_layerwise_writes_for_a_hybrid():
     p = scheduler("kv_producer", groups=HYBRID)
     p.add_request(request("w", PROMPT, {"do_remote_decode": True, "transfer_id": "t-w"}, max_tokens=1, hashed=True))
     assert not p.schedule().kv_connector_metadata.reqs_layerwise
+
+
+def test_a_model_of_one_sliding_window_group_never_reads_vllms_null_blocks():
+    """All layers sliding (one group): P's params name its table as vLLM gives it, positions kept (a D of
+    another block size maps tokens through it), null blocks and all; D loads only its window, from the tail."""
+    p = scheduler("kv_producer", groups=("sliding",))
+    params = _prefill(p)
+    assert params["remote_block_ids"] == p.kv_cache_manager.get_block_ids("p-1")[0]
+    assert NULL_BLOCK in params["remote_block_ids"]
+    d = scheduler("kv_consumer", groups=("sliding",))
+    spec = _loaded(d, "d-1", params).kv_connector_metadata.reqs_to_recv["d-1"]
+    window = tuple(b for b in d.kv_cache_manager.get_block_ids("d-1")[0] if b != NULL_BLOCK)
+    assert spec.local_block_ids == window and spec.remote_block_ids == tuple(params["remote_block_ids"][-len(window) :])
+    assert NULL_BLOCK not in spec.remote_block_ids
