@@ -53,38 +53,54 @@ _handed: set[int] = set()
 _handed_lock = threading.Lock()
 
 
+LOWEST_PORT = 10_000
+
+
+def port_span(span: int = 1) -> tuple[int, int]:
+    """The ports this process draws from, [low, high] (a first port of `span` consecutive ones): below
+    the kernel's ephemeral range, and where pytest-xdist runs workers side by side, worker k's own
+    k-th share of it (PYTEST_XDIST_WORKER gwK of PYTEST_XDIST_WORKER_COUNT): two workers never hand
+    out one port between one's check and its child's bind."""
+    low, high = LOWEST_PORT, _ephemeral_low() - 1
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        k, share = int(worker[2:]) % int(count), (high - low + 1) // int(count)
+        low, high = low + k * share, low + (k + 1) * share - 1
+    return low, high - (span - 1)
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct ports free on 127.0.0.1 now and never handed out by this process before, drawn
     below the kernel's ephemeral range: a port the kernel hands out (bind to port 0, outgoing
     connections, engines' own listeners) can then never take one between this check and the
-    child's bind (that race failed a server start)."""
-    high = _ephemeral_low() - 1
+    child's bind (that race failed a server start). Under pytest-xdist, from this worker's share."""
+    low, high = port_span()
     out: list[int] = []
     with _handed_lock:
         for _ in range(10_000):
             if len(out) == n:
                 _handed.update(out)
                 return out
-            port = _ports.randint(10_000, high)
+            port = _ports.randint(low, high)
             if port in out or port in _handed or not _bindable(port):
                 continue
             out.append(port)
-    raise RuntimeError(f"no {n} free ports in 10000..{high}")
+    raise RuntimeError(f"no {n} free ports in {low}..{high}")
 
 
 def free_port_range(n: int) -> int:
     """The first of `n` consecutive ports free on 127.0.0.1 now (a data-parallel instance's side
     channels: base port + DP index; or every rank's in the rank layout), below the kernel's
     ephemeral range like free_ports."""
-    high = _ephemeral_low() - n
+    low, high = port_span(n)
     with _handed_lock:
         for _ in range(10_000):
-            base = _ports.randint(10_000, high)
+            base = _ports.randint(low, high)
             ports = range(base, base + n)
             if _handed.isdisjoint(ports) and all(_bindable(p) for p in ports):
                 _handed.update(ports)
                 return base
-    raise RuntimeError(f"no {n} consecutive free ports in 10000..{high + n - 1}")
+    raise RuntimeError(f"no {n} consecutive free ports in {low}..{high + n - 1}")
 
 
 def _bindable(port: int) -> bool:

@@ -49,3 +49,22 @@ def test_a_range_avoids_ports_already_handed_out(monkeypatch):
     assert procs.free_port() == base
     assert procs.free_port_range(2) == base + 10  # base - 1 .. base overlaps a port handed out
     assert procs.free_port() == base + 1  # base + 11 lies inside the range handed out
+
+
+def test_pytest_xdist_workers_draw_from_disjoint_shares(monkeypatch):
+    import kvc_testing.procs as procs
+
+    high = _ephemeral_low() - 1
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert procs.port_span() == (procs.LOWEST_PORT, high)
+    spans = []
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+        spans.append(procs.port_span())
+    assert spans[0][0] == procs.LOWEST_PORT and spans[2][1] <= high
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), spans  # disjoint, in order
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    assert all(spans[1][0] <= p <= spans[1][1] for p in procs.free_ports(20))
+    first = procs.free_port_range(4)
+    assert spans[1][0] <= first and first + 3 <= spans[1][1]
