@@ -2,7 +2,11 @@
 outcome, minutes) and the total; exit 1 if any tier failed. Every tier runs even after a failure, so
 one run shows them all.
 
-    python -m kvc_testing.tiers [--only unit,e2e] [-- PYTEST_ARGS...]
+    python -m kvc_testing.tiers [--only unit,e2e] [--e2e-workers N] [-- PYTEST_ARGS...]
+
+--e2e-workers N > 1 runs the end-to-end tier's modules N at a time (pytest-xdist, a module to a worker:
+a module's servers stay together). Those tests mostly wait on one single-threaded server at a time:
+on a 2-core host one such run kept the CPUs about half busy.
 """
 
 from __future__ import annotations
@@ -52,6 +56,13 @@ def summary_of(output: str) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
+def tier_args(name: str, pytest_args: Sequence[str], e2e_workers: int) -> list[str]:
+    """A tier's pytest arguments: the e2e tier's modules spread over workers where asked."""
+    if name == "e2e" and e2e_workers > 1:
+        return ["-n", str(e2e_workers), "--dist", "loadfile", *pytest_args]
+    return list(pytest_args)
+
+
 def run_tier(name: str, path: str, pytest_args: Sequence[str]) -> TierResult:
     """One tier's pytest run, its output streamed through as it comes (and kept for the summary)."""
     print(f"\n=== tier {name}: pytest {path} ===", flush=True)
@@ -81,13 +92,14 @@ def report(results: Sequence[TierResult]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the test tiers one after another and time each.")
     parser.add_argument("--only", default="", help="comma-separated tier names (default: all): " + ", ".join(n for n, _ in TIERS))
+    parser.add_argument("--e2e-workers", type=int, default=1, help="end-to-end modules run at a time (pytest-xdist)")
     parser.add_argument("pytest_args", nargs="*", help="passed to every pytest run (after --)")
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or [n for n, _ in TIERS]
     unknown = set(names) - {n for n, _ in TIERS}
     if unknown:
         parser.error(f"unknown tier(s) {sorted(unknown)}; known: {[n for n, _ in TIERS]}")
-    results = [run_tier(name, path, args.pytest_args) for name, path in TIERS if name in names]
+    results = [run_tier(name, path, tier_args(name, args.pytest_args, args.e2e_workers)) for name, path in TIERS if name in names]
     print(report(results), flush=True)
     return 0 if all(r.ok for r in results) else 1
 

@@ -81,9 +81,11 @@ def _pair_matches_colocated(reference: VllmServer, prefill: VllmServer, decode: 
     """Another P and D of the family (another transport or staging) through their own proxy."""
     for server in (prefill, decode):
         server.start()
+    for server in (prefill, decode):
+        server.wait_ready()
+    # Only now: a proxy up before its P evicts it at its first health checks and, /health answering
+    # through D alone, lets D compute the first prompts itself (right answers, nothing loaded).
     with ProxyProcess([prefill.url], [decode.url]) as proxy:
-        for server in (prefill, decode):
-            server.wait_ready()
         proxy.wait_ready()
         prompts = make_prompts([33, 65, 200, 480], seed=seed)
         loaded0 = stats(decode).recv_transfers

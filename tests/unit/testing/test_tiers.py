@@ -50,3 +50,9 @@ def test_a_tier_left_nothing_by_a_filter_is_not_a_failure(tmp_path, monkeypatch)
 def test_an_unknown_tier_is_refused():
     with pytest.raises(SystemExit):
         tiers.main(["--only", "nope"])
+
+
+def test_only_the_e2e_tier_spreads_its_modules_over_workers():
+    assert tiers.tier_args("e2e", ["-q"], 2) == ["-n", "2", "--dist", "loadfile", "-q"]
+    assert tiers.tier_args("e2e", ["-q"], 1) == ["-q"]
+    assert tiers.tier_args("unit", ["-q"], 4) == ["-q"]
