@@ -38,6 +38,9 @@ class RecvSpec:
     # params.prompt_digest of the prompt tokens P's KV covers: a push request carries it, and P
     # writes only if its own prompt has that digest ("" where none was computed: not checked).
     prompt_digest: str = ""
+    # A hybrid's local blocks per KV cache group (local_block_ids side by side, kv_connectors.groups):
+    # a push request carries them and P pairs its own group by group; () for one group.
+    group_sizes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +51,14 @@ class SendSpec:
     blocks may be in flight; hold them until those settle, then tell D it failed.
     prompt_digest: params.prompt_digest of the prefill's prompt: P writes these blocks only into a
     D request whose push request states the same ("" where P has no token ids: not checked).
+    group_sizes: a hybrid's blocks per KV cache group; () for one group.
     """
 
     block_ids: tuple[int, ...]
     key: str
     cancelled: bool = False
     prompt_digest: str = ""
+    group_sizes: tuple[int, ...] = ()  # a hybrid's blocks per KV cache group (block_ids side by side)
 
 
 @dataclasses.dataclass

@@ -193,6 +193,9 @@ class PushRequest(msgspec.Struct, frozen=True, tag="push"):
     prompt_digest: str = ""
     attempt: str = ""  # names this request (unique per D task): an AbortPush for it refuses it at P for good
     budget_s: float = 0.0  # how long D waits for the write from P's answer on (0: P's own timeout)
+    # A hybrid model's D: its block_ids per KV cache group, side by side (P pairs its own group by group);
+    # [] for one group.
+    group_sizes: list[int] = []
 
 
 class AbortPush(msgspec.Struct, frozen=True, tag="abort_push"):

@@ -69,6 +69,7 @@ class PushLoads:
             prompt_digest=spec.prompt_digest,
             attempt=push.attempt,
             budget_s=self._cfg.transfer_timeout_s,
+            group_sizes=list(spec.group_sizes),
         )
         push.ack = self._producers.submit(task.peer_key, request)
         task.push = push

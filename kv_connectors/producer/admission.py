@@ -13,6 +13,7 @@ import msgspec
 from kv_connectors import tp, wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import KVConnectorError, TransferParamsError
+from kv_connectors.groups import MAX_GROUPS
 from kv_connectors.layout import KVLayout
 from kv_connectors.producer.leases import ClaimResult, SendLeases
 
@@ -154,6 +155,8 @@ class Admission:
         if len(request.block_ids) > self._layout.num_blocks:  # no request of ours holds that many
             too_many = f"{len(request.block_ids)} blocks asked; this instance has {self._layout.num_blocks}"
             return wire.PushAck(False, too_many, self.epoch)
+        if len(request.group_sizes) > MAX_GROUPS:
+            return wire.PushAck(False, f"{len(request.group_sizes)} KV cache groups named; at most {MAX_GROUPS}", self.epoch)
         if request.attempt and self._book.aborted(request):
             return wire.PushAck(False, "the consumer aborted this push request", self.epoch)
         key = request.producer_request_id

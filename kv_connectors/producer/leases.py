@@ -43,6 +43,7 @@ class _Lease:
     created: float = 0.0
     done: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # consumer engine -> its readers done
     prompt_digest: str = ""  # params.prompt_digest of the prefill's prompt ("": unknown)
+    group_sizes: tuple[int, ...] = ()  # a hybrid's blocks per KV cache group (block_ids side by side)
     # A consumer is done with it but writes from its blocks are still in flight: it ends (and its
     # request is reported finished) once they settle.
     release_pending: bool = False
@@ -113,7 +114,14 @@ class SendLeases:
         self.hold_seconds: list[float] = []  # each ended lease's hold, until taken for metrics (bounded)
 
     def add(
-        self, key: str, request_id: str, block_ids: tuple[int, ...], now: float, lease_s: float, prompt_digest: str = ""
+        self,
+        key: str,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        now: float,
+        lease_s: float,
+        prompt_digest: str = "",
+        group_sizes: tuple[int, ...] = (),
     ) -> None:
         with self._lock:
             self._gone.pop(key, None)
@@ -134,7 +142,7 @@ class SendLeases:
                 self._unmark(key, old)
                 self._replaced.append((key, old))
             lease = self._leases[key] = _Lease(
-                request_id, tuple(block_ids), now + lease_s, created=now, prompt_digest=prompt_digest
+                request_id, tuple(block_ids), now + lease_s, created=now, prompt_digest=prompt_digest, group_sizes=group_sizes
             )
             lease.release_pending = released  # a layer-wise write from its blocks is still in flight
             if early is not None and early.engine is not None and not early.complete:
@@ -146,6 +154,12 @@ class SendLeases:
         with self._lock:
             lease = self._leases.get(key)
             return None if lease is None else lease.block_ids
+
+    def group_sizes(self, key: str) -> tuple[int, ...]:
+        """A hybrid's lease: its blocks per KV cache group (() for one group, or no lease)."""
+        with self._lock:
+            lease = self._leases.get(key)
+            return () if lease is None else lease.group_sizes
 
     def prompt_digest(self, key: str) -> str:
         """The prompt digest of the live lease under key ("" when unknown or no such lease)."""

@@ -110,7 +110,7 @@ class Sender:
         """reqs: request id -> SendSpec (block_ids, key, cancelled)."""
         now = self._clock()
         for rid, spec in reqs.items():
-            self.leases.add(spec.key, rid, spec.block_ids, now, self._cfg.lease_s, spec.prompt_digest)
+            self.leases.add(spec.key, rid, spec.block_ids, now, self._cfg.lease_s, spec.prompt_digest, spec.group_sizes)
             if spec.cancelled:
                 self.cancel(spec.key, f"prefill request {rid} was aborted")
 
@@ -241,7 +241,7 @@ class Sender:
         if (why := other_prompt_reason(req, self.leases.prompt_digest(key))) is not None:
             self.writes.finish(write, why)  # the lease stays: a consumer asking with the prefill's prompt is served
             return
-        self.writes.post(wk, write, own, self._check(write, own))
+        self.writes.post(wk, write, own, self._check(write, own), self.leases.group_sizes(key))
 
     # layer-wise push (transfer-id flow) -----------------------------------------------------------
     def begin_layerwise(self, reqs: Mapping[str, Any]) -> None:

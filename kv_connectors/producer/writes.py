@@ -12,7 +12,8 @@ from typing import Any
 
 from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
-from kv_connectors.errors import KVConnectorError
+from kv_connectors.errors import KVConnectorError, TransferParamsError
+from kv_connectors.groups import pair_tails, split
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TokenRange, TransferPlan, plan_blocks
 from kv_connectors.producer.admission import PushBook
@@ -68,12 +69,25 @@ def other_prompt_reason(req: wire.PushRequest, digest: str) -> str | None:
 
 
 def plan_write(
-    layout: KVLayout, own: tuple[int, ...], dst: KVLayout, req: wire.PushRequest, regions: Sequence[int] | None = None
+    layout: KVLayout,
+    own: tuple[int, ...],
+    dst: KVLayout,
+    req: wire.PushRequest,
+    regions: Sequence[int] | None = None,
+    own_sizes: tuple[int, ...] = (),
 ) -> TransferPlan:
     """P's blocks into D's (these regions only, if given): paired from the tail where both sides'
     blocks hold as many tokens (head slices planned where the TP sizes differ; D's own prefix-cache
-    hits are not sent), else the tokens D asked for, mapped through both block tables."""
+    hits are not sent), else the tokens D asked for, mapped through both block tables. A hybrid's
+    (own_sizes: P's blocks per KV cache group; D's in the request) group by group, each from its tail."""
     src, to = (layout, dst) if regions is None else (layout.select(regions), dst.select(regions))
+    if own_sizes or req.group_sizes:
+        if len(req.group_sizes) != len(own_sizes):
+            raise TransferParamsError(
+                f"the push request names {len(req.group_sizes) or 1} KV cache group(s), the prefill holds {len(own_sizes) or 1}"
+            )
+        local, remote, _ = pair_tails(split(req.block_ids, req.group_sizes), split(own, own_sizes))
+        return plan_blocks(src, remote, to, local)
     # The push request's token range, as the wire carries it: P's own blocks hold the prompt from token 0.
     tokens = TokenRange(req.first_token, req.num_tokens, src_start=0, dst_start=req.consumer_first_token)
     if tokens.pairs_blocks(layout, dst):
@@ -131,13 +145,14 @@ class Writes:
         return bool(self._layerwise)
 
     # whole requests ---------------------------------------------------------------------------
-    def post(self, wk: WriteKey, write: Write, own: tuple[int, ...], dst: KVLayout | str) -> None:
-        """Post a write of P's blocks own into D's (dst: D's layout, or why it cannot be written)."""
+    def post(self, wk: WriteKey, write: Write, own: tuple[int, ...], dst: KVLayout | str, own_sizes: tuple[int, ...] = ()) -> None:
+        """Post a write of P's blocks own into D's (dst: D's layout, or why it cannot be written;
+        own_sizes: a hybrid's blocks per KV cache group)."""
         req = write.request
         try:
             if isinstance(dst, str):
                 raise KVConnectorError(dst)
-            plan = plan_write(self._layout, own, dst, req)
+            plan = plan_write(self._layout, own, dst, req, own_sizes=own_sizes)
             write.runs, write.nbytes = plan.num_runs, plan.total_bytes
             notif = self._done(req, runs=plan.num_runs)
             if not self._book.start(req):  # D aborted it meanwhile (side-channel thread): never written

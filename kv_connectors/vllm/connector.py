@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from kv_connectors import affinity, config
-from kv_connectors.config import ConnectorConfig, TransferMode, parse_config
+from kv_connectors.config import ConnectorConfig, parse_config
 from kv_connectors.errors import ConfigError
 from kv_connectors.groups import CacheGroups
 from kv_connectors.layout import (
@@ -114,17 +114,13 @@ def layerwise_under_cudagraphs(cfg: ConnectorConfig, vllm_config: Any) -> Connec
     return cfg
 
 
-def hybrid_modes(cfg: ConnectorConfig, groups: CacheGroups | None, connector: str) -> ConnectorConfig:
-    """A model of several KV cache groups moves them by D's reads (pull) so far: push, where P pairs its
-    blocks with D's, is refused at start-up, and P's layer-wise writes (push too) are off."""
-    if groups is None or not groups.hybrid:
+def hybrid_modes(cfg: ConnectorConfig, groups: CacheGroups | None) -> ConnectorConfig:
+    """A model of several KV cache groups: P's layer-wise writes are off so far (a prompt is written
+    whole once its prefill ends): a layer's tensor holds another group's layer too."""
+    if groups is None or not groups.hybrid or not cfg.layerwise:
         return cfg
-    if cfg.mode is TransferMode.PUSH and cfg.role.consumes:
-        raise ConfigError(
-            f'{connector}: "mode": "push" is not supported yet for models with several KV cache groups '
-            f'({", ".join(g.kind.value for g in groups.groups)}); use "mode": "pull"'
-        )
-    return dataclasses.replace(cfg, layerwise=False) if cfg.layerwise else cfg
+    logger.info("a model of several KV cache groups: layer-wise push is off (transfer-id prompts are written whole)")
+    return dataclasses.replace(cfg, layerwise=False)
 
 
 class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
@@ -143,7 +139,7 @@ class KVConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         kvt = vllm_config.kv_transfer_config
         cfg = parse_config(kvt.engine_id, kvt.kv_role, kvt.kv_connector_extra_config, self.default_extra_config)
         self._groups = compat.cache_groups(kv_cache_config, type(self).__name__) if kv_cache_config is not None else None
-        self._cfg: ConnectorConfig = hybrid_modes(layerwise_under_cudagraphs(cfg, vllm_config), self._groups, type(self).__name__)
+        self._cfg: ConnectorConfig = hybrid_modes(layerwise_under_cudagraphs(cfg, vllm_config), self._groups)
         self._block_size = int(vllm_config.cache_config.block_size)
         tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         # The worker's rank in its TP group (parallel_config.rank counts TP ranks first).

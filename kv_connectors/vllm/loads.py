@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from kv_connectors.errors import TransferParamsError
-from kv_connectors.groups import CacheGroups, GroupKind, pair_tails, split
+from kv_connectors.groups import CacheGroups, GroupKind, flatten, pair_tails, split
 from kv_connectors.params import (
     REMOTE_BLOCK_IDS,
     REMOTE_PROMPT_DIGEST,
@@ -42,8 +42,8 @@ def check_load(request: Any, params: RequestParams, block_size: int, groups: Cac
     covered = rp.covered_tokens(num_prompt)
     needed = blocks_for_tokens(covered, rp.remote_block_size or block_size)
     error = None
-    if rp.push_only and not groups.hybrid:
-        pass  # P's blocks are unknown until P writes them: P checks the count then
+    if rp.push_only:
+        pass  # P's blocks are unknown until P writes them: P checks the count then (group by group)
     elif rp.remote_num_tokens is not None and rp.remote_num_tokens > num_prompt:
         error = TransferParamsError(
             f"prefill had {rp.remote_num_tokens} prompt tokens, this request has {num_prompt}: "
@@ -73,11 +73,6 @@ def check_load(request: Any, params: RequestParams, block_size: int, groups: Cac
 def _check_groups(rp: RemotePrefill, needed: int, block_size: int, groups: CacheGroups) -> TransferParamsError | None:
     """A hybrid model's load: P states each group's blocks (a full group's cover the prompt; a sliding
     window's, those inside it), in blocks as large as ours."""
-    if rp.push_only:
-        return TransferParamsError(
-            "the transfer-id flow (P writes into D's blocks) is not supported yet for models with several KV "
-            "cache groups: send the decode request with the prefill's kv_transfer_params (the params flow)"
-        )
     if rp.remote_block_size not in (None, block_size):
         return TransferParamsError(
             f"a model with several KV cache groups needs the same block size on prefill and decode: "
@@ -95,20 +90,23 @@ def _check_groups(rp: RemotePrefill, needed: int, block_size: int, groups: Cache
 
 def pair_blocks(
     blocks: Any, rp: RemotePrefill, first: int, block_size: int, groups: CacheGroups
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(D's blocks to load, P's they load from), one to one where P's block size is ours, else P's
-    from the one holding token `first` on (planned token by token). A hybrid's groups are paired each
-    from its tail (a sliding window's null blocks neither read nor written); a TransferParamsError
-    names a group whose blocks P no longer holds."""
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(D's blocks to load, P's they load from, D's per KV cache group: () for one group), one to one
+    where P's block size is ours, else P's from the one holding token `first` on (planned token by
+    token); P's none where only P knows them (the transfer-id flow: P pairs them when it writes). A
+    hybrid's groups are paired each from its tail (a sliding window's null blocks neither read nor
+    written); a TransferParamsError names a group whose blocks P no longer holds."""
     if groups.hybrid:
         per_group = [unhashed_block_ids(blocks, g) for g in range(len(groups.groups))]
-        local, remote, _ = pair_tails(per_group, split(rp.remote_block_ids, rp.remote_group_sizes))
-        return local, remote
+        if rp.push_only:
+            local, sizes = flatten(per_group)
+            return local, (), sizes
+        return pair_tails(per_group, split(rp.remote_block_ids, rp.remote_group_sizes))
     mine = tuple(unhashed_block_ids(blocks))
     p_bs = rp.remote_block_size or block_size
     if p_bs == block_size:
-        return mine, (rp.remote_block_ids[len(rp.remote_block_ids) - len(mine) :] if rp.remote_block_ids else ())
-    return mine, rp.remote_block_ids[first // p_bs :]
+        return mine, (rp.remote_block_ids[len(rp.remote_block_ids) - len(mine) :] if rp.remote_block_ids else ()), ()
+    return mine, rp.remote_block_ids[first // p_bs :], ()
 
 
 def covered_digest(request: Any, rp: RemotePrefill) -> str:

@@ -172,7 +172,7 @@ class SchedulerSide:
         first = covered - num_external_tokens  # tokens D has (prefix-cache hits): not loaded
         p_bs = rp.remote_block_size or self._block_size
         try:
-            local, remote = pair_blocks(blocks, rp, first, self._block_size, self._groups)
+            local, remote, sizes = pair_blocks(blocks, rp, first, self._block_size, self._groups)
         except TransferParamsError as e:  # a hybrid's group whose blocks P no longer holds
             logger.debug("request %s: %s", rid, e)
             self._meta.reqs_failed[rid] = str(e)
@@ -190,6 +190,7 @@ class SchedulerSide:
                 first, num_external_tokens, src_start=first - first % p_bs, dst_start=first - first % self._block_size
             ),
             prompt_digest=covered_digest(request, rp),
+            group_sizes=sizes,
         )
 
     def _release(self, request: Any, rp: RemotePrefill) -> None:
@@ -269,7 +270,8 @@ class SchedulerSide:
                 self._meta.transfers_cancelled[key] = reason  # a D may be waiting: fail it now
             return False, None
         digest = prompt_digest(request.prompt_token_ids) if request.prompt_token_ids is not None else None
-        self._meta.reqs_to_send[rid] = SendSpec(tuple(block_ids), key, prompt_digest=digest or "")
+        sizes = tuple(len(g) for g in per_group)
+        self._meta.reqs_to_send[rid] = SendSpec(tuple(block_ids), key, prompt_digest=digest or "", group_sizes=sizes)
         return True, producer_params(
             block_ids=per_group or block_ids,
             engine_id=self._cfg.engine_id,

@@ -1,9 +1,10 @@
 """Hybrid models with real vLLM servers: a tiny Gemma 3 (sliding window and global layers alternating) and
 a tiny gpt-oss (sliding and full layers, attention sinks, experts), two KV cache groups each. Through the
 proxy, D's greedy output equals a colocated server's with every prompt loaded from P (vLLM counts the
-prompt tokens it took from the transfer), also over Mooncake (D pulling, gpt-oss) and through CPU
-staging (Gemma 3); a prompt longer than the window moves only the window's blocks of its sliding
-layers; a Gemma 3 prefill with perturbed K/V weights changes D's output (the KV travelled)."""
+prompt tokens it took from the transfer), also with P pushing: over Mooncake in the transfer-id flow
+(gpt-oss) and over NIXL through CPU staging (Gemma 3); a prompt longer than the window moves only the
+window's blocks of its sliding layers; a Gemma 3 prefill with perturbed K/V weights changes D's output
+(the KV travelled)."""
 
 from __future__ import annotations
 
@@ -77,15 +78,19 @@ def hybrid(request: pytest.FixtureRequest) -> Iterator[Hybrid]:
                 proc.stop()
 
 
-def _pair_matches_colocated(reference: VllmServer, prefill: VllmServer, decode: VllmServer, seed: int) -> None:
-    """Another P and D of the family (another transport or staging) through their own proxy."""
+def _pair_matches_colocated(
+    reference: VllmServer, prefill: VllmServer, decode: VllmServer, seed: int, transfer_id: bool = False
+) -> None:
+    """Another P and D of the family (another transport, mode or staging) through their own proxy;
+    `transfer_id`: the proxy sends P and D the request at once (P's side channel named to it)."""
     for server in (prefill, decode):
         server.start()
     for server in (prefill, decode):
         server.wait_ready()
     # Only now: a proxy up before its P evicts it at its first health checks and, /health answering
     # through D alone, lets D compute the first prompts itself (right answers, nothing loaded).
-    with ProxyProcess([prefill.url], [decode.url]) as proxy:
+    side_channels = [prefill.side_channel_port] if transfer_id else None  # type: ignore[attr-defined]
+    with ProxyProcess([prefill.url], [decode.url], prefill_side_channels=side_channels) as proxy:
         proxy.wait_ready()
         prompts = make_prompts([33, 65, 200, 480], seed=seed)
         loaded0 = stats(decode).recv_transfers
@@ -121,20 +126,23 @@ def test_a_prompt_longer_than_the_window_moves_only_the_windows_blocks_of_its_sl
     print(f"\n{hybrid.family}: a {len(prompt)}-token prompt moved {moved} bytes, {moved / full_attention:.2f} of full attention's")
 
 
-def test_hybrid_over_mooncake_pull_through_staging_and_with_foreign_kv(hybrid: Hybrid) -> None:
-    """gpt-oss: P and D over Mooncake with D pulling. Gemma 3: NIXL through CPU staging, and a prefill
-    with perturbed K/V weights (same compatibility hash) changes D's output: the KV travelled."""
+def test_hybrid_pushed_over_mooncake_and_nixl_through_staging_and_with_foreign_kv(hybrid: Hybrid) -> None:
+    """gpt-oss: Mooncake, P pushing (its default) in the transfer-id flow (the proxy sends P and D the
+    request at once; P pairs its blocks with D's group by group). Gemma 3: NIXL with D asking P to push,
+    through CPU staging; and a prefill with perturbed K/V weights (same compatibility hash) changes D's
+    output: the KV travelled."""
     if hybrid.family == "gpt_oss":
-        form, extra, name = MOONCAKE_MODULE_FORM, {"mode": "pull"}, "mooncake"
+        form, extra, name, transfer_id = MOONCAKE_MODULE_FORM, {}, "mooncake-push", True
     else:
-        form, extra, name = MODULE_FORM, {"staging": "on"}, "staged"
+        form, extra, name, transfer_id = MODULE_FORM, {"mode": "push", "staging": "on"}, "staged-push", False
         perturbed = pd_server(perturb_kv_weights(hybrid.model), "kv_producer", name="P-perturbed", max_model_len=MAX_MODEL_LEN)
         with perturbed:
             assert_foreign_kv_changes_output(hybrid.reference, perturbed, hybrid.decode)
     p = pd_server(hybrid.model, "kv_producer", form=form, name=f"P-{name}", max_model_len=MAX_MODEL_LEN, extra_config=extra)
     d = pd_server(hybrid.model, "kv_consumer", form=form, name=f"D-{name}", max_model_len=MAX_MODEL_LEN, extra_config=extra)
     try:
-        _pair_matches_colocated(hybrid.reference, p, d, seed=47)
+        _pair_matches_colocated(hybrid.reference, p, d, seed=47, transfer_id=transfer_id)
+        assert stats(p).pushes == 4, "P did not write every prompt"  # a fresh P
     finally:
         for server in (p, d):
             server.stop()

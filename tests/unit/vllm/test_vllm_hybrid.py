@@ -1,8 +1,8 @@
 """Hybrid models (several KV cache groups: a sliding window beside full attention) through vLLM's own
 Scheduler and KV cache manager (tests/unit/vllm/vllm_objects.py): P states each group's blocks that hold
 KV, D loads each group's from its tail, vLLM's null blocks are never named on either side; what cannot
-be served is refused at start-up (a group kind we do not move, push) or per request (P's window no
-longer holds what D needs, a block size of another, the transfer-id flow)."""
+be served is refused at start-up (a group kind we do not move) or per request (P's window no longer
+holds what D needs, a block size of another)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,6 @@ def test_a_window_p_no_longer_holds_fails_the_load_and_frees_p():
     [
         ({"remote_block_size": 64}, "same block size"),
         ({"remote_block_ids": [1, 2, 3]}, "1 KV cache group"),
-        ({"transfer_id": "t-1", "remote_block_ids": None}, "transfer-id flow"),
     ],
 )
 def test_loads_a_hybrid_cannot_take_fail_naming_why(change, why):
@@ -125,10 +124,29 @@ def test_a_group_kind_we_do_not_move_stops_start_up_naming_it():
         scheduler("kv_consumer", groups=("mamba", "full"))
 
 
-def test_push_is_refused_at_start_up_for_a_hybrid():
-    with pytest.raises(ConfigError, match='"mode": "push" is not supported yet for models with several KV cache groups'):
-        scheduler("kv_consumer", {"mode": "push"}, groups=HYBRID)
-    assert scheduler("kv_producer", {"mode": "push"}, groups=HYBRID) is not None  # P: D's mode decides
+def test_push_states_each_groups_blocks_on_both_sides():
+    """D pushing: its load names its blocks group by group (the push request carries the sizes), and P's
+    lease holds its own group by group: P pairs them when it writes."""
+    p = scheduler("kv_producer", groups=HYBRID)
+    params = _prefill(p)
+    send = p.schedule().kv_connector_metadata.reqs_to_send["p-1"]
+    assert send.group_sizes == tuple(len(g) for g in params["remote_block_ids"])
+    d = scheduler("kv_consumer", {"mode": "push"}, groups=HYBRID)
+    spec = _loaded(d, "d-1", params).kv_connector_metadata.reqs_to_recv["d-1"]
+    d_sliding, d_full = d.kv_cache_manager.get_block_ids("d-1")
+    window = [b for b in d_sliding if b != NULL_BLOCK]
+    assert spec.group_sizes == (len(window), len(d_full)) and spec.local_block_ids == (*window, *d_full)
+
+
+def test_the_transfer_id_flow_names_ds_blocks_group_by_group_for_p_to_pair():
+    d = scheduler("kv_consumer", groups=HYBRID)
+    params = {"do_remote_prefill": True, "transfer_id": "t-1", "remote_host": "127.0.0.1", "remote_port": 7001}
+    meta = _loaded(d, "d-1", params).kv_connector_metadata
+    spec = meta.reqs_to_recv["d-1"]
+    d_sliding, d_full = d.kv_cache_manager.get_block_ids("d-1")
+    window = [b for b in d_sliding if b != NULL_BLOCK]
+    assert not meta.reqs_failed and spec.remote_block_ids == ()
+    assert spec.local_block_ids == (*window, *d_full) and spec.group_sizes == (len(window), len(d_full))
 
 
 def test_p_does_not_mark_layerwise_writes_for_a_hybrid():
