@@ -24,7 +24,7 @@ from kvc_testing.cluster import (
     stats,
     wait_until,
 )
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from kvc_testing.tiny_model import build_tiny_model
 
 LENGTHS = [1, 17, 31, 32, 33, 64, 100, 129, 250, 333, 400, 500]
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     d = pd_server(model, "kv_consumer", form=d_form, name="decode", max_model_len=MAX_MODEL_LEN, extra_config=d_extra)
     print(f"transport {args.transport}, mode {args.mode or 'default'}, staging {args.staging}: P loads {p_form}, D loads {d_form}")
     t0 = time.monotonic()
-    with ref, p, d, ProxyProcess([p.url], [d.url]) as proxy, httpx.Client(timeout=120.0) as client:
+    with running(ref, p, d), ProxyProcess([p.url], [d.url]) as proxy, httpx.Client(timeout=120.0) as client:
         proxy.wait_ready()
         print(f"servers up in {time.monotonic() - t0:.0f} s: colocated {ref.url}, P {p.url}, D {d.url}, proxy {proxy.url}")
         print(f"{'toks':>5} {'result':>8} {'KiB':>9} {'blocks':>6} {'descs':>5} {'xfer ms':>8} {'GB/s':>6} {'e2e ms':>8}  D output")

@@ -36,7 +36,7 @@ from benchmarks.e2e.stats import (
 )
 from benchmarks.host import machine
 from kvc_testing.cluster import ProxyProcess, make_prompts, metric, stats
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running, stop_all
 from kvc_testing.tiny_model import (
     MODEL_SIZES,
     build_tiny_model,
@@ -196,16 +196,17 @@ def kv_check(
 def start_pair(stack: contextlib.ExitStack, cfg: PdConfig, settings: ServerSettings) -> tuple[VllmServer, VllmServer, ProxyProcess]:
     """P and D started together (each stopped by the stack, whatever happens), then the proxy."""
     p, d = cfg.build(settings)
-    for server in (p, d):
-        server.start()
-        stack.callback(server.stop)
-    for server in (p, d):
-        server.wait_ready()
+    stack.enter_context(running(p, d))
+    return p, d, start_proxy(stack, cfg, p, d)
+
+
+def start_proxy(stack: contextlib.ExitStack, cfg: PdConfig, p: VllmServer, d: VllmServer) -> ProxyProcess:
+    """The proxy in front of a ready P and D (one up before them would find them unhealthy)."""
     proxy = ProxyProcess([p.url], [d.url], extra_args=cfg.proxy_args)
     proxy.start()
     stack.callback(proxy.stop)
     proxy.wait_ready()
-    return p, d, proxy
+    return proxy
 
 
 def run_pd(cfg: PdConfig, settings: ServerSettings, workload: Workload, reference: Sequence[tuple[int, ...]]) -> dict[str, Any]:
@@ -292,11 +293,21 @@ def run_interleaved(names: Sequence[str], settings: ServerSettings, workload: Wo
     the run reaches every configuration alike. Between its requests a configuration is idle."""
     results: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
-        colocated = stack.enter_context(colocated_server(settings))
+        # every server starts at once (a start here is mostly one core importing Python), then each
+        # configuration waits for its own: one that fails to start is reported, the others run
+        colocated = colocated_server(settings)
+        pairs = {name: CONFIGS[name].build(settings) for name in names}
+        servers = [colocated, *(s for pair in pairs.values() for s in pair)]
+        stack.callback(stop_all, servers)
+        for server in servers:
+            server.start()
+        colocated.wait_ready()
         lives = {COLOCATED: _Live(colocated.url, (colocated,))}
-        for name in names:
+        for name, (p, d) in pairs.items():
             try:
-                p, d, proxy = start_pair(stack, CONFIGS[name], settings)
+                p.wait_ready()
+                d.wait_ready()
+                proxy = start_proxy(stack, CONFIGS[name], p, d)
             except RuntimeError as e:
                 results[name] = failed_entry(CONFIGS[name].description, f"start-up failed: {e}", CONFIGS[name].notes)
                 continue

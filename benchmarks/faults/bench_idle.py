@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmarks.host import machine
 from kvc_testing.cluster import generate, make_prompts, pd_server, prefill
-from kvc_testing.procs import VllmServer, group_cores
+from kvc_testing.procs import VllmServer, group_cores, running
 from kvc_testing.tiny_model import build_tiny_model
 
 MAX_MODEL_LEN = 512
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     p = pd_server(model, "kv_producer", name="P-long", max_model_len=MAX_MODEL_LEN, extra_config=config)
     d = pd_server(model, "kv_consumer", name="D-long", max_model_len=MAX_MODEL_LEN, extra_config={**config, **D_DEADLINES})
-    with p, d:
+    with running(p, d):
         long = Long(model, config, p, d)
         _serve(p, d, long.prompts())
         p_cores, d_cores = idle_cores([p, d], args.idle_s)

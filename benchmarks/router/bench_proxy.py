@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from kvc_testing.tiny_model import build_tiny_model
 
 PROMPT = [17]
@@ -65,7 +65,7 @@ def run(requests: int, warmup: int) -> dict[str, Any]:
     ref = VllmServer(model, name="colocated")
     p = pd_server(model, "kv_producer", form=MODULE_FORM, name="P")
     d = pd_server(model, "kv_consumer", form=ENTRY_POINT_FORM, name="D")
-    with ref, p, d, ProxyProcess([p.url], [d.url]) as proxy, httpx.Client(timeout=60) as client:
+    with running(ref, p, d), ProxyProcess([p.url], [d.url]) as proxy, httpx.Client(timeout=60) as client:
         proxy.wait_ready()
         body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
         paths: dict[str, Callable[[], float]] = {

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server
-from kvc_testing.procs import VllmServer, restart_busy
+from kvc_testing.procs import VllmServer, restart_busy, running
 from kvc_testing.tiny_model import build_tiny_model, perturb_kv_weights
 
 MAX_MODEL_LEN = 512
@@ -58,22 +58,11 @@ def perturbed_model(tiny_model: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_model: Path) -> Iterator[VllmServer]:
-    with VllmServer(tiny_model, max_model_len=MAX_MODEL_LEN, name="colocated") as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def prefill_server(tiny_model: Path) -> Iterator[VllmServer]:
-    server = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P", max_model_len=MAX_MODEL_LEN)
-    with server:
-        _LONG_LIVED.append(server)
-        yield server
-
-
-@pytest.fixture(scope="session")
-def decode_server(tiny_model: Path) -> Iterator[VllmServer]:
-    server = pd_server(
+def _session_servers(tiny_model: Path) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
+    """The colocated reference, P and D, started together (nearly every module needs all three)."""
+    reference = VllmServer(tiny_model, max_model_len=MAX_MODEL_LEN, name="colocated")
+    prefill = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P", max_model_len=MAX_MODEL_LEN)
+    decode = pd_server(
         tiny_model,
         "kv_consumer",
         form=ENTRY_POINT_FORM,
@@ -81,9 +70,24 @@ def decode_server(tiny_model: Path) -> Iterator[VllmServer]:
         max_model_len=MAX_MODEL_LEN,
         extra_config={"handshake_timeout_s": D_HANDSHAKE_S, "transfer_timeout_s": D_TRANSFER_S},
     )
-    with server:
-        _LONG_LIVED.append(server)
-        yield server
+    with running(reference, prefill, decode):
+        _LONG_LIVED.extend([prefill, decode])
+        yield reference, prefill, decode
+
+
+@pytest.fixture(scope="session")
+def reference(_session_servers: tuple[VllmServer, VllmServer, VllmServer]) -> VllmServer:
+    return _session_servers[0]
+
+
+@pytest.fixture(scope="session")
+def prefill_server(_session_servers: tuple[VllmServer, VllmServer, VllmServer]) -> VllmServer:
+    return _session_servers[1]
+
+
+@pytest.fixture(scope="session")
+def decode_server(_session_servers: tuple[VllmServer, VllmServer, VllmServer]) -> VllmServer:
+    return _session_servers[2]
 
 
 @pytest.fixture(scope="session")

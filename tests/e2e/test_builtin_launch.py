@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from kvc_testing.cluster import MODULE_FORM, ProxyProcess, generate
-from kvc_testing.procs import VllmServer, free_port_range
+from kvc_testing.procs import VllmServer, free_port_range, running
 from tests.e2e.checks import PROMPTS, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -58,7 +58,7 @@ def test_builtin_side_channel_env_vars_and_keys_work(tiny_model, reference):
     p = _builtin_style(tiny_model, "kv_both", "P-builtin-env", p_port, tp=2)
     # engine_cpus "builtin": D's engine thread pinned where the built-in pins its own on CPU
     d = _builtin_style(tiny_model, "kv_both", "D-builtin-env", p_port + 1, engine_cpus="builtin")
-    with p, d, ProxyProcess([p.url], [d.url]) as proxy:
+    with running(p, d), ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
         assert_pd_matches_colocated(reference, p, d, proxy, prompts=PROMPTS[:4], p_tp=2)
         allowed = os.sched_getaffinity(0)

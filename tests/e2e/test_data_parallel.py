@@ -28,7 +28,7 @@ from kvc_testing.cluster import (
     stats,
     wait_until,
 )
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 MAX_TOKENS = 8
@@ -37,7 +37,8 @@ SLOW_HOST = ["--health-timeout-s", "20", "--unhealthy-after", "5", "--decode-tim
 
 
 @pytest.fixture(scope="module")
-def dp_prefill(tiny_model) -> Iterator[VllmServer]:
+def dp_pair(tiny_model) -> Iterator[tuple[VllmServer, ...]]:
+    """P at DP 2 on core 0 and a patient D on core 1, started together."""
     server = pd_server(
         tiny_model,
         "kv_producer",
@@ -49,8 +50,13 @@ def dp_prefill(tiny_model) -> Iterator[VllmServer]:
         cpu_bind="0|0",
         cpus="0",
     )
-    with server:
-        yield server
+    with running(server, _patient_decode(tiny_model, "D-patient")) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def dp_prefill(dp_pair) -> VllmServer:
+    return dp_pair[0]
 
 
 def _patient_decode(tiny_model, name: str, dp: int = 1) -> VllmServer:
@@ -90,9 +96,8 @@ def _loaded_and_sent(p: VllmServer, d: VllmServer, d0: Any, engines: list[Any], 
 
 
 @pytest.fixture(scope="module")
-def patient_decode(tiny_model) -> Iterator[VllmServer]:
-    with _patient_decode(tiny_model, "D-patient") as d:
-        yield d
+def patient_decode(dp_pair) -> VllmServer:
+    return dp_pair[1]
 
 
 def test_each_data_parallel_prefill_engine_hands_its_kv_to_decode(reference, dp_prefill, patient_decode) -> None:

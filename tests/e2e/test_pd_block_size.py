@@ -19,7 +19,7 @@ from kvc_testing.cluster import (
     prefill,
     stats,
 )
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from tests.e2e.checks import (
     MAX_TOKENS,
     assert_pd_matches_colocated,
@@ -33,14 +33,10 @@ HANDSHAKE_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def p64(tiny_model) -> Iterator[VllmServer]:
-    with pd_server(tiny_model, "kv_producer", name="P-block64", max_model_len=MAX_MODEL_LEN, block_size=64) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def d64(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(
+def block64(tiny_model) -> Iterator[tuple[VllmServer, ...]]:
+    """P and D with 64-token blocks, and a pushing D with 32-token ones, started together."""
+    p64 = pd_server(tiny_model, "kv_producer", name="P-block64", max_model_len=MAX_MODEL_LEN, block_size=64)
+    d64 = pd_server(
         tiny_model,
         "kv_consumer",
         name="D-block64",
@@ -48,8 +44,25 @@ def d64(tiny_model) -> Iterator[VllmServer]:
         block_size=64,
         extra_config={"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
     )
-    with server:
-        yield server
+    push32 = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-push-block32",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
+    )
+    with running(p64, d64, push32) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def p64(block64) -> VllmServer:
+    return block64[0]
+
+
+@pytest.fixture(scope="module")
+def d64(block64) -> VllmServer:
+    return block64[1]
 
 
 def test_prefill_block32_to_decode_block64_through_the_proxy(reference, prefill_server, d64):
@@ -93,21 +106,15 @@ def test_mooncake_push_between_block_sizes(reference, tiny_model):
         block_size=64,
         extra_config=mc,
     )
-    with p, d, ProxyProcess([p.url], [d.url]) as proxy:
+    with running(p, d), ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
         assert_push_matches_colocated(reference, p, d, proxy, prompts=fresh_prompts(45))
 
 
-def test_nixl_push_from_block64_into_block32(reference, tiny_model, p64):
+def test_nixl_push_from_block64_into_block32(reference, block64):
     """D (32-token blocks) asks P (64-token blocks) to write: P maps the tokens D names into D's blocks."""
-    d = pd_server(
-        tiny_model,
-        "kv_consumer",
-        name="D-push-block32",
-        max_model_len=MAX_MODEL_LEN,
-        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
-    )
-    with d, ProxyProcess([p64.url], [d.url]) as proxy:
+    p64, _, d = block64
+    with ProxyProcess([p64.url], [d.url]) as proxy:
         proxy.wait_ready()
         assert_push_matches_colocated(reference, p64, d, proxy, prompts=fresh_prompts(47))
 

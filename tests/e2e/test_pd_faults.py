@@ -9,16 +9,36 @@ import time
 import pytest
 
 from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
+from kvc_testing.procs import running
 from kvc_testing.tiny_model import build_tiny_model
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="module")
-def scratch_prefill(tiny_model):
-    """A P for requests that go wrong, with a short lease, so the main P stays clean."""
-    server = pd_server(tiny_model, "kv_producer", name="P-scratch", max_model_len=MAX_MODEL_LEN, extra_config={"lease_s": 3})
-    with server:
-        yield server
+def faulty(tiny_model):
+    """This module's own servers, started together: a P for requests that go wrong, with a short lease,
+    so the main P stays clean; a P of another model; P's that tests kill; a D that recomputes."""
+    servers = {
+        "scratch": pd_server(tiny_model, "kv_producer", name="P-scratch", max_model_len=MAX_MODEL_LEN, extra_config={"lease_s": 3}),
+        "other": pd_server(build_tiny_model(variant="base"), "kv_producer", name="P-other", max_model_len=MAX_MODEL_LEN),
+        "killed": pd_server(tiny_model, "kv_producer", name="P-killed", max_model_len=MAX_MODEL_LEN),
+        "doomed": pd_server(tiny_model, "kv_producer", name="P-doomed", max_model_len=MAX_MODEL_LEN),
+        "recompute": pd_server(
+            tiny_model,
+            "kv_consumer",
+            name="D-recompute",
+            max_model_len=MAX_MODEL_LEN,
+            extra_config={"handshake_timeout_s": 3, "transfer_timeout_s": 5},
+            transfer_config={"kv_load_failure_policy": "recompute"},
+        ),
+    }
+    with running(*servers.values()):
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def scratch_prefill(faulty):
+    return faulty["scratch"]
 
 
 PROMPT = make_prompts([100], seed=3)[0]
@@ -85,16 +105,16 @@ def test_decode_request_for_another_prompt_fails_instead_of_decoding_from_its_kv
     wait_until(lambda: stats(scratch_prefill).held_blocks == 0, 10, "P to free the blocks")
 
 
-def test_incompatible_peer_is_refused(reference, prefill_server, decode_server):
-    other = pd_server(build_tiny_model(variant="base"), "kv_producer", name="P-other", max_model_len=MAX_MODEL_LEN)
-    with other:
-        params = prefill(other.url, PROMPT)
-        _assert_failed_quickly(decode_server, params)
-        log = decode_server.log_tail(400)
-        assert "incompatible peer" in log, "D's log does not say why"
-        assert "num_layers: server=8 client=2" in log
-        # D told P nothing it could use, so P's lease frees the blocks (checked in the lease test);
-        # D keeps serving others.
+def test_incompatible_peer_is_refused(reference, prefill_server, decode_server, faulty):
+    other = faulty["other"]
+    params = prefill(other.url, PROMPT)
+    _assert_failed_quickly(decode_server, params)
+    other.stop()
+    log = decode_server.log_tail(400)
+    assert "incompatible peer" in log, "D's log does not say why"
+    assert "num_layers: server=8 client=2" in log
+    # D told P nothing it could use, so P's lease frees the blocks (checked in the lease test);
+    # D keeps serving others.
     _assert_decode_still_serves(reference, prefill_server, decode_server)
 
 
@@ -108,11 +128,10 @@ def test_lease_frees_blocks_when_decode_never_comes(scratch_prefill):
     assert stats(scratch_prefill).expired_leases == expired + 1
 
 
-def test_producer_killed_before_decode_reads(tiny_model, reference, prefill_server, decode_server):
-    server = pd_server(tiny_model, "kv_producer", name="P-killed", max_model_len=MAX_MODEL_LEN)
-    with server:
-        params = prefill(server.url, PROMPT)
-        server.stop()
+def test_producer_killed_before_decode_reads(reference, prefill_server, decode_server, faulty):
+    server = faulty["killed"]
+    params = prefill(server.url, PROMPT)
+    server.stop()
     _assert_failed_quickly(decode_server, params)
     _assert_decode_still_serves(reference, prefill_server, decode_server)
 
@@ -140,26 +159,16 @@ def _refused_at_start_up(server, timeout_s: float, why_not: str) -> str:
         server.stop()
 
 
-def test_recompute_policy_recovers_when_producer_dies(tiny_model, reference):
+def test_recompute_policy_recovers_when_producer_dies(reference, faulty):
     """With vLLM's kv_load_failure_policy=recompute a failed load is recomputed on D: same output."""
-    server = pd_server(
-        tiny_model,
-        "kv_consumer",
-        name="D-recompute",
-        max_model_len=MAX_MODEL_LEN,
-        extra_config={"handshake_timeout_s": 3, "transfer_timeout_s": 5},
-        transfer_config={"kv_load_failure_policy": "recompute"},
-    )
-    producer = pd_server(tiny_model, "kv_producer", name="P-doomed", max_model_len=MAX_MODEL_LEN)
-    with server:
-        with producer:
-            params = prefill(producer.url, PROMPT)
-            producer.stop()
-        t0 = time.monotonic()
-        got = output_ids(generate(server.url, PROMPT, 8, kv_transfer_params=params, timeout=60))
-        assert time.monotonic() - t0 < DEADLINE_S
-        assert got == output_ids(generate(reference.url, PROMPT, 8))
-        assert stats(server).recv_failures == 1
+    server, producer = faulty["recompute"], faulty["doomed"]
+    params = prefill(producer.url, PROMPT)
+    producer.stop()
+    t0 = time.monotonic()
+    got = output_ids(generate(server.url, PROMPT, 8, kv_transfer_params=params, timeout=60))
+    assert time.monotonic() - t0 < DEADLINE_S
+    assert got == output_ids(generate(reference.url, PROMPT, 8))
+    assert stats(server).recv_failures == 1
 
 
 def test_pipeline_parallel_instance_is_refused_at_start_up(tiny_model):

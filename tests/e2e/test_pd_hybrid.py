@@ -27,7 +27,7 @@ from kvc_testing.cluster import (
     wait_until,
 )
 from kvc_testing.hybrid_model import SLIDING_WINDOW, build_hybrid_model
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from kvc_testing.tiny_model import perturb_kv_weights
 from tests.e2e.checks import BLOCK_SIZE, MAX_TOKENS, assert_foreign_kv_changes_output, assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
@@ -62,33 +62,18 @@ def hybrid(request: pytest.FixtureRequest) -> Iterator[Hybrid]:
         pd_server(model, "kv_producer", form=MODULE_FORM, name=f"P-{family}", max_model_len=MAX_MODEL_LEN),
         pd_server(model, "kv_consumer", form=MODULE_FORM, name=f"D-{family}", max_model_len=MAX_MODEL_LEN),
     ]
-    proxy: ProxyProcess | None = None
-    try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready()
-        proxy = ProxyProcess([servers[1].url], [servers[2].url])
-        proxy.start()
+    with running(*servers), ProxyProcess([servers[1].url], [servers[2].url]) as proxy:
         proxy.wait_ready()
         yield Hybrid(family, model, *servers, proxy)
-    finally:
-        for proc in (proxy, *servers):
-            if proc is not None:
-                proc.stop()
 
 
 def _pair_matches_colocated(
     reference: VllmServer, prefill: VllmServer, decode: VllmServer, seed: int, transfer_id: bool = False
 ) -> None:
-    """Another P and D of the family (another transport, mode or staging) through their own proxy;
-    `transfer_id`: the proxy sends P and D the request at once (P's side channel named to it)."""
-    for server in (prefill, decode):
-        server.start()
-    for server in (prefill, decode):
-        server.wait_ready()
-    # Only now: a proxy up before its P evicts it at its first health checks and, /health answering
-    # through D alone, lets D compute the first prompts itself (right answers, nothing loaded).
+    """Another P and D of the family (another transport, mode or staging), both ready, through their own
+    proxy; `transfer_id`: the proxy sends P and D the request at once (P's side channel named to it).
+    The proxy starts only now: one up before its P evicts it at its first health checks and, /health
+    answering through D alone, lets D compute the first prompts itself (right answers, nothing loaded)."""
     side_channels = [prefill.side_channel_port] if transfer_id else None  # type: ignore[attr-defined]
     with ProxyProcess([prefill.url], [decode.url], prefill_side_channels=side_channels) as proxy:
         proxy.wait_ready()
@@ -133,16 +118,14 @@ def test_hybrid_pushed_over_mooncake_and_nixl_through_staging_and_with_foreign_k
     output: the KV travelled."""
     if hybrid.family == "gpt_oss":
         form, extra, name, transfer_id = MOONCAKE_MODULE_FORM, {}, "mooncake-push", True
+        perturbed = None
     else:
         form, extra, name, transfer_id = MODULE_FORM, {"mode": "push", "staging": "on"}, "staged-push", False
         perturbed = pd_server(perturb_kv_weights(hybrid.model), "kv_producer", name="P-perturbed", max_model_len=MAX_MODEL_LEN)
-        with perturbed:
-            assert_foreign_kv_changes_output(hybrid.reference, perturbed, hybrid.decode)
     p = pd_server(hybrid.model, "kv_producer", form=form, name=f"P-{name}", max_model_len=MAX_MODEL_LEN, extra_config=extra)
     d = pd_server(hybrid.model, "kv_consumer", form=form, name=f"D-{name}", max_model_len=MAX_MODEL_LEN, extra_config=extra)
-    try:
+    with running(p, d, *([perturbed] if perturbed else [])):
+        if perturbed:
+            assert_foreign_kv_changes_output(hybrid.reference, perturbed, hybrid.decode)
         _pair_matches_colocated(hybrid.reference, p, d, seed=47, transfer_id=transfer_id)
         assert stats(p).pushes == 4, "P did not write every prompt"  # a fresh P
-    finally:
-        for server in (p, d):
-            server.stop()

@@ -12,7 +12,7 @@ from kvc_testing.cluster import (
     ProxyProcess,
     pd_server,
 )
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from tests.e2e.checks import (
     PROMPTS,
     assert_dead_producer_fails_fast,
@@ -25,15 +25,11 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="module")
-def mc_prefill(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake", max_model_len=MAX_MODEL_LEN)
-    with server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def mc_decode(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(
+def mc_pair(tiny_model, perturbed_model) -> Iterator[tuple[VllmServer, ...]]:
+    """P and D over Mooncake, and the producers two tests need (perturbed K/V weights; one they kill),
+    started together."""
+    prefill = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake", max_model_len=MAX_MODEL_LEN)
+    decode = pd_server(
         tiny_model,
         "kv_consumer",
         form=MOONCAKE_ENTRY_POINT_FORM,
@@ -41,8 +37,22 @@ def mc_decode(tiny_model) -> Iterator[VllmServer]:
         max_model_len=MAX_MODEL_LEN,
         extra_config={"transfer_timeout_s": 10},
     )
-    with server:
-        yield server
+    perturbed = pd_server(
+        perturbed_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-perturbed", max_model_len=MAX_MODEL_LEN
+    )
+    doomed = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-killed", max_model_len=MAX_MODEL_LEN)
+    with running(prefill, decode, perturbed, doomed) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def mc_prefill(mc_pair) -> VllmServer:
+    return mc_pair[0]
+
+
+@pytest.fixture(scope="module")
+def mc_decode(mc_pair) -> VllmServer:
+    return mc_pair[1]
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +80,9 @@ def test_mooncake_transfer_id_flow_through_proxy_and_layerwise_push(reference, m
     assert_transfer_id_flow_matches(reference, mc_prefill, mc_decode, PROMPTS[-4:], d_first=True)
 
 
-def test_mooncake_foreign_kv_changes_decode_output(reference, perturbed_model, mc_decode):
-    server = pd_server(
-        perturbed_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-perturbed", max_model_len=MAX_MODEL_LEN
-    )
-    with server:
-        assert_foreign_kv_changes_output(reference, server, mc_decode)
+def test_mooncake_foreign_kv_changes_decode_output(reference, mc_pair, mc_decode):
+    assert_foreign_kv_changes_output(reference, mc_pair[2], mc_decode)
 
 
-def test_mooncake_producer_killed_fails_fast_and_decode_keeps_serving(tiny_model, reference, mc_prefill, mc_decode):
-    doomed = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-killed", max_model_len=MAX_MODEL_LEN)
-    assert_dead_producer_fails_fast(reference, doomed, mc_prefill, mc_decode)
+def test_mooncake_producer_killed_fails_fast_and_decode_keeps_serving(reference, mc_pair, mc_prefill, mc_decode):
+    assert_dead_producer_fails_fast(reference, mc_pair[3], mc_prefill, mc_decode)

@@ -19,23 +19,35 @@ from kvc_testing.cluster import (
     wait_until,
 )
 from kvc_testing.fuzz import server_hash
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_dead_producer_fails_fast, assert_push_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="module")
-def push_decode(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(
-        tiny_model,
-        "kv_consumer",
-        form=ENTRY_POINT_FORM,
-        name="D-push",
-        max_model_len=MAX_MODEL_LEN,
-        extra_config={"mode": "push", "handshake_timeout_s": 5, "transfer_timeout_s": 10},
-    )
-    with server:
-        yield server
+def push_servers(tiny_model) -> Iterator[dict[str, VllmServer]]:
+    """The pushing D, and the P and D the fault tests kill, started together."""
+    servers = {
+        "decode": pd_server(
+            tiny_model,
+            "kv_consumer",
+            form=ENTRY_POINT_FORM,
+            name="D-push",
+            max_model_len=MAX_MODEL_LEN,
+            extra_config={"mode": "push", "handshake_timeout_s": 5, "transfer_timeout_s": 10},
+        ),
+        "doomed_p": pd_server(tiny_model, "kv_producer", name="P-push-killed", max_model_len=MAX_MODEL_LEN),
+        "doomed_d": pd_server(
+            tiny_model, "kv_consumer", name="D-push-killed", max_model_len=MAX_MODEL_LEN, extra_config={"mode": "push"}
+        ),
+    }
+    with running(*servers.values()):
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def push_decode(push_servers) -> VllmServer:
+    return push_servers["decode"]
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +61,11 @@ def test_nixl_push_greedy_equals_colocated(reference, prefill_server, push_decod
     assert_push_matches_colocated(reference, prefill_server, push_decode, push_proxy)
 
 
-def test_push_producer_killed_before_it_writes(tiny_model, reference, prefill_server, push_decode):
-    doomed = pd_server(tiny_model, "kv_producer", name="P-push-killed", max_model_len=MAX_MODEL_LEN)
-    assert_dead_producer_fails_fast(reference, doomed, prefill_server, push_decode)
+def test_push_producer_killed_before_it_writes(reference, prefill_server, push_servers):
+    assert_dead_producer_fails_fast(reference, push_servers["doomed_p"], prefill_server, push_servers["decode"])
 
 
-def test_decode_killed_during_push_fails_the_write_and_frees_producer_blocks(tiny_model, prefill_server):
+def test_decode_killed_during_push_fails_the_write_and_frees_producer_blocks(prefill_server, push_servers):
     """D asks P to push, then dies before P's write lands: P's write fails (push_failures), P frees
     the blocks then, not at lease expiry (expired_leases unchanged), and keeps serving.
 
@@ -62,7 +73,7 @@ def test_decode_killed_during_push_fails_the_write_and_frees_producer_blocks(tin
     the test makes that order certain: D hand-shakes with P and completes one push (P is connected
     to D's agent), dies, and then the push request D would have sent reaches P (the test sends it,
     as D does, over P's side channel)."""
-    doomed = pd_server(tiny_model, "kv_consumer", name="D-push-killed", max_model_len=MAX_MODEL_LEN, extra_config={"mode": "push"})
+    doomed = push_servers["doomed_d"]
     with doomed:
         prompt = PROMPTS[20]
         p0 = stats(prefill_server)

@@ -15,6 +15,7 @@ from kvc_testing.cluster import (
     pd_server,
     stats,
 )
+from kvc_testing.procs import running
 from tests.e2e.checks import assert_pd_matches_colocated
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -47,7 +48,7 @@ def staged_pair(request, tiny_model) -> Iterator[tuple]:
         max_model_len=MAX_MODEL_LEN,
         extra_config={**staging, **d_extra, "transfer_timeout_s": 20},
     )
-    with p, d, ProxyProcess([p.url], [d.url]) as proxy:
+    with running(p, d), ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
         yield p, d, proxy, staging
 

@@ -25,7 +25,7 @@ from kvc_testing.cluster import (
     stats,
     wait_until,
 )
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from tests.e2e.checks import (
     assert_foreign_kv_changes_output,
     assert_pd_matches_colocated,
@@ -52,15 +52,11 @@ _CORE = ({"cpu_bind": "0|0", "cpus": "0"}, {"cpu_bind": "1|1", "cpus": "1"})
 
 
 @pytest.fixture(scope="module")
-def tp_prefill(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P-tp2", max_model_len=MAX_MODEL_LEN, tp=TP, **_CORE[0])
-    with server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def tp_decode(tiny_model) -> Iterator[VllmServer]:
-    server = pd_server(
+def tp_pair(tiny_model, perturbed_model) -> Iterator[tuple[VllmServer, ...]]:
+    """P and D at TP 2, each on its own core, and two servers at TP 1 later tests need (a pushing D
+    and a P with perturbed K/V weights), started together."""
+    p_tp2 = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P-tp2", max_model_len=MAX_MODEL_LEN, tp=TP, **_CORE[0])
+    decode_tp2 = pd_server(
         tiny_model,
         "kv_consumer",
         form=ENTRY_POINT_FORM,
@@ -70,8 +66,26 @@ def tp_decode(tiny_model) -> Iterator[VllmServer]:
         extra_config={"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": TRANSFER_S},
         **_CORE[1],
     )
-    with server:
-        yield server
+    push_tp1 = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-tp1-push",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": TRANSFER_S},
+    )
+    perturbed_tp1 = pd_server(perturbed_model, "kv_producer", name="P-tp1-perturbed", max_model_len=MAX_MODEL_LEN)
+    with running(p_tp2, decode_tp2, push_tp1, perturbed_tp1) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def tp_prefill(tp_pair) -> VllmServer:
+    return tp_pair[0]
+
+
+@pytest.fixture(scope="module")
+def tp_decode(tp_pair) -> VllmServer:
+    return tp_pair[1]
 
 
 def test_tp2_pull_through_the_proxy_equals_colocated(reference, tp_prefill, tp_decode):
@@ -97,16 +111,10 @@ def test_prefill_tp2_to_decode_tp1_through_the_proxy(reference, tp_prefill, deco
         assert_pd_matches_colocated(reference, tp_prefill, decode_server, proxy, prompts=fresh_prompts(32), p_tp=TP, d_tp=1)
 
 
-def test_prefill_tp2_to_decode_tp1_push(reference, tiny_model, tp_prefill):
+def test_prefill_tp2_to_decode_tp1_push(reference, tp_pair, tp_prefill):
     """Push: each P rank writes its head into D's one rank; P frees each prompt once written."""
-    d = pd_server(
-        tiny_model,
-        "kv_consumer",
-        name="D-tp1-push",
-        max_model_len=MAX_MODEL_LEN,
-        extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": TRANSFER_S},
-    )
-    with d, ProxyProcess([tp_prefill.url], [d.url], extra_args=_PROXY_ARGS) as proxy:
+    d = tp_pair[2]
+    with ProxyProcess([tp_prefill.url], [d.url], extra_args=_PROXY_ARGS) as proxy:
         proxy.wait_ready()
         assert_push_matches_colocated(reference, tp_prefill, d, proxy, prompts=fresh_prompts(34), p_tp=TP, d_tp=1)
 
@@ -139,11 +147,9 @@ def test_tp2_transfer_id_flow_with_layerwise_push(reference, tp_prefill, tp_deco
     assert stats(tp_prefill, rank=1).layerwise_pushes >= len(prompts), "P rank 1 did not push layer-wise"
 
 
-def test_foreign_kv_from_a_tp1_prefill_changes_tp2_decode_output(reference, perturbed_model, tp_decode):
+def test_foreign_kv_from_a_tp1_prefill_changes_tp2_decode_output(reference, tp_pair, tp_decode):
     """P at TP 1 with perturbed K/V weights: both D ranks' heads come from P (heterogeneous TP)."""
-    server = pd_server(perturbed_model, "kv_producer", name="P-tp1-perturbed", max_model_len=MAX_MODEL_LEN)
-    with server:
-        assert_foreign_kv_changes_output(reference, server, tp_decode)
+    assert_foreign_kv_changes_output(reference, tp_pair[3], tp_decode)
 
 
 def test_transfer_id_flow_between_tp_sizes_with_layerwise_push(reference, prefill_server, tp_decode, tp_prefill, decode_server):

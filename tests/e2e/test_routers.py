@@ -39,7 +39,7 @@ from kvc_testing.cluster import (
     stats,
     wait_until,
 )
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from kvc_testing.routers import PINS, RouterProcess, ensure_routers, register_smg_workers, smg, vllm_router
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -406,17 +406,8 @@ def test_our_mooncake_connector_behind_vllm_router_in_nixl_mode(fleet: Fleet, ti
     d = pd_server(
         tiny_model, "kv_consumer", form=MOONCAKE_MODULE_FORM, name="MD", max_model_len=MAX_MODEL_LEN, extra_config=D_CONFIG
     )
-    try:
-        p.start()
-        d.start()
-        p.wait_ready()
-        d.wait_ready()
-        router = _router(vllm_router(fleet.bin, [p.url], [d.url], *VLLM_ROUTER_ARGS))
-        with router:
-            pushes0 = stats(p).pushes
-            todo = asks(9, seed=108)
-            print("\nMooncake, " + fleet.check(router, todo, [p], [d]))
-            assert stats(p).pushes - pushes0 == len(todo), "P did not write every prompt into D (push)"
-    finally:
-        d.stop()
-        p.stop()
+    with running(p, d), _router(vllm_router(fleet.bin, [p.url], [d.url], *VLLM_ROUTER_ARGS)) as router:
+        pushes0 = stats(p).pushes
+        todo = asks(9, seed=108)
+        print("\nMooncake, " + fleet.check(router, todo, [p], [d]))
+        assert stats(p).pushes - pushes0 == len(todo), "P did not write every prompt into D (push)"

@@ -19,6 +19,7 @@ from kvc_testing.cluster import (
     transfer_id_params,
     wait_until,
 )
+from kvc_testing.procs import running
 from tests.e2e.checks import MAX_TOKENS
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -31,8 +32,10 @@ PROMPTS = make_prompts([200, 300, 150], seed=78)
 
 
 @pytest.fixture(scope="module")
-def short_lease_prefill(tiny_model):
-    server = pd_server(
+def stale_servers(tiny_model):
+    """P with a short lease and a small cache, a D recomputing failed loads and a D running one request
+    at a time: started together."""
+    short_lease = pd_server(
         tiny_model,
         "kv_producer",
         name="P-short-lease",
@@ -40,13 +43,7 @@ def short_lease_prefill(tiny_model):
         kv_cache_bytes=SMALL_KV_BYTES,
         extra_config={"lease_s": LEASE_S},
     )
-    with server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def recompute_decode(tiny_model):
-    server = pd_server(
+    recompute = pd_server(
         tiny_model,
         "kv_consumer",
         name="D-recompute-stale",
@@ -54,8 +51,26 @@ def recompute_decode(tiny_model):
         extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10},
         transfer_config={"kv_load_failure_policy": "recompute"},
     )
-    with server:
-        yield server
+    one_seq = pd_server(
+        tiny_model,
+        "kv_consumer",
+        name="D-one-seq",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10},
+    )
+    one_seq.argv += ["--max-num-seqs", "1"]
+    with running(short_lease, recompute, one_seq) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def short_lease_prefill(stale_servers):
+    return stale_servers[0]
+
+
+@pytest.fixture(scope="module")
+def recompute_decode(stale_servers):
+    return stale_servers[1]
 
 
 def _stale_params(producer, prompt) -> dict:
@@ -123,18 +138,9 @@ def test_late_push_request_to_an_idle_producer_fails_at_once(reference, short_le
 
 
 @pytest.fixture(scope="module")
-def one_seq_decode(tiny_model):
+def one_seq_decode(stale_servers):
     """A D that runs one request at a time: others wait in its queue."""
-    server = pd_server(
-        tiny_model,
-        "kv_consumer",
-        name="D-one-seq",
-        max_model_len=MAX_MODEL_LEN,
-        extra_config={"handshake_timeout_s": 5, "transfer_timeout_s": 10},
-    )
-    server.argv += ["--max-num-seqs", "1"]
-    with server:
-        yield server
+    return stale_servers[2]
 
 
 def test_heartbeats_keep_the_kv_of_a_request_queued_for_3x_the_lease(reference, short_lease_prefill, one_seq_decode):

@@ -24,7 +24,7 @@ from kvc_testing.cluster import (
     pd_server,
     wait_until,
 )
-from kvc_testing.procs import VllmServer
+from kvc_testing.procs import VllmServer, running
 from tests.e2e.checks import MAX_TOKENS
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -87,11 +87,10 @@ def test_greedy_exact_across_hosts_pull_and_push(tiny_model, reference, hosts, t
     p = _server(tiny_model, hosts.p, "kv_producer", form, f"P-{transport}-netns")
     pull = _server(tiny_model, hosts.d, "kv_consumer", form, f"D-{transport}-pull-netns", mode="pull", **D_DEADLINES)
     push = _server(tiny_model, hosts.d, "kv_consumer", form, f"D-{transport}-push-netns", mode="push", **D_DEADLINES)
-    with p:
-        with pull:
-            _exact_through_proxy(reference, p, pull, hosts, make_prompts([40, 150, 333], seed=21), pull=True)
-        with push:  # the same P serves a D that asks it to write
-            _exact_through_proxy(reference, p, push, hosts, make_prompts([60, 200], seed=22))
+    with running(p, pull, push):
+        _exact_through_proxy(reference, p, pull, hosts, make_prompts([40, 150, 333], seed=21), pull=True)
+        # the same P serves a D that asks it to write
+        _exact_through_proxy(reference, p, push, hosts, make_prompts([60, 200], seed=22))
 
 
 def test_cut_link_fails_the_load_once_its_read_ended_and_recovers(tiny_model, reference, hosts):
@@ -101,7 +100,7 @@ def test_cut_link_fails_the_load_once_its_read_ended_and_recovers(tiny_model, re
     and loads succeed again."""
     p = _server(tiny_model, hosts.p, "kv_producer", MODULE_FORM, "P-cut-netns", lease_s=5)
     d = _server(tiny_model, hosts.d, "kv_consumer", MODULE_FORM, "D-cut-netns", **D_DEADLINES)
-    with p, d:
+    with running(p, d):
         _exact_through_proxy(reference, p, d, hosts, make_prompts([100], seed=23))  # connected before the cut
         prompt = make_prompts([180], seed=24)[0]
         params = generate(p.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
@@ -228,7 +227,7 @@ def test_a_transfer_that_outlives_ds_deadline_never_lands_in_blocks_another_requ
         transfer_timeout_s=3,
     )
     a_prompt, b_prompt = make_prompts([400, 400], seed=31)
-    with p, d:
+    with running(p, d):
         _exact_through_proxy(reference, p, d, hosts, make_prompts([40], seed=30))  # hand-shaken before the slow-down
         params = generate(p.url, a_prompt, 1, kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
         b_expected = output_ids(generate(reference.url, b_prompt, MAX_TOKENS))
