@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, ProxyProcess, pd_server
+from kvc_testing.cluster import ENTRY_POINT_FORM, MODULE_FORM, MOONCAKE_MODULE_FORM, ProxyProcess, pd_server
 from kvc_testing.procs import VllmServer, restart_busy, running
 from kvc_testing.tiny_model import build_tiny_model, perturb_kv_weights
 
@@ -58,8 +58,9 @@ def perturbed_model(tiny_model: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def _session_servers(tiny_model: Path) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
-    """The colocated reference, P and D, started together (nearly every module needs all three)."""
+def _session_servers(tiny_model: Path) -> Iterator[tuple[VllmServer, ...]]:
+    """The colocated reference, P and D, and a P over Mooncake (three modules write from it), started
+    together (nearly every module needs the first three)."""
     reference = VllmServer(tiny_model, max_model_len=MAX_MODEL_LEN, name="colocated")
     prefill = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P", max_model_len=MAX_MODEL_LEN)
     decode = pd_server(
@@ -70,24 +71,31 @@ def _session_servers(tiny_model: Path) -> Iterator[tuple[VllmServer, VllmServer,
         max_model_len=MAX_MODEL_LEN,
         extra_config={"handshake_timeout_s": D_HANDSHAKE_S, "transfer_timeout_s": D_TRANSFER_S},
     )
-    with running(reference, prefill, decode):
-        _LONG_LIVED.extend([prefill, decode])
-        yield reference, prefill, decode
+    mooncake = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake", max_model_len=MAX_MODEL_LEN)
+    with running(reference, prefill, decode, mooncake):
+        _LONG_LIVED.extend([prefill, decode, mooncake])
+        yield reference, prefill, decode, mooncake
 
 
 @pytest.fixture(scope="session")
-def reference(_session_servers: tuple[VllmServer, VllmServer, VllmServer]) -> VllmServer:
+def reference(_session_servers: tuple[VllmServer, ...]) -> VllmServer:
     return _session_servers[0]
 
 
 @pytest.fixture(scope="session")
-def prefill_server(_session_servers: tuple[VllmServer, VllmServer, VllmServer]) -> VllmServer:
+def prefill_server(_session_servers: tuple[VllmServer, ...]) -> VllmServer:
     return _session_servers[1]
 
 
 @pytest.fixture(scope="session")
-def decode_server(_session_servers: tuple[VllmServer, VllmServer, VllmServer]) -> VllmServer:
+def decode_server(_session_servers: tuple[VllmServer, ...]) -> VllmServer:
     return _session_servers[2]
+
+
+@pytest.fixture(scope="session")
+def mooncake_prefill(_session_servers: tuple[VllmServer, ...]) -> VllmServer:
+    """P over Mooncake (module-path form, defaults): a D over Mooncake asks it to write."""
+    return _session_servers[3]
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ SLOW_HOST = ["--health-timeout-s", "20", "--unhealthy-after", "5", "--decode-tim
 
 @pytest.fixture(scope="module")
 def dp_pair(tiny_model) -> Iterator[tuple[VllmServer, ...]]:
-    """P at DP 2 on core 0 and a patient D on core 1, started together."""
+    """P at DP 2 on core 0, a patient D and a D at DP 2 on core 1, started together."""
     server = pd_server(
         tiny_model,
         "kv_producer",
@@ -50,7 +50,7 @@ def dp_pair(tiny_model) -> Iterator[tuple[VllmServer, ...]]:
         cpu_bind="0|0",
         cpus="0",
     )
-    with running(server, _patient_decode(tiny_model, "D-patient")) as servers:
+    with running(server, _patient_decode(tiny_model, "D-patient"), _patient_decode(tiny_model, "D-dp2", dp=DP)) as servers:
         yield servers
 
 
@@ -137,9 +137,8 @@ def test_transfer_id_flow_pins_each_prompt_to_the_engine_whose_side_channel_d_is
 
 
 @pytest.fixture(scope="module")
-def dp_decode(tiny_model) -> Iterator[VllmServer]:
-    with _patient_decode(tiny_model, "D-dp2", dp=DP) as d:
-        yield d
+def dp_decode(dp_pair) -> VllmServer:
+    return dp_pair[2]
 
 
 def test_a_data_parallel_decode_loads_on_each_engine(reference, dp_prefill, dp_decode) -> None:

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvc_testing.cluster import (
+    ENTRY_POINT_FORM,
+    MODULE_FORM,
     MOONCAKE_MODULE_FORM,
     ProxyProcess,
     generate,
@@ -34,7 +36,8 @@ HANDSHAKE_S = 5.0
 
 @pytest.fixture(scope="module")
 def block64(tiny_model) -> Iterator[tuple[VllmServer, ...]]:
-    """P and D with 64-token blocks, and a pushing D with 32-token ones, started together."""
+    """P and D with 64-token blocks, a pushing D with 32-token ones, and this module's own P and D with
+    32-token blocks (below), started together."""
     p64 = pd_server(tiny_model, "kv_producer", name="P-block64", max_model_len=MAX_MODEL_LEN, block_size=64)
     d64 = pd_server(
         tiny_model,
@@ -51,8 +54,31 @@ def block64(tiny_model) -> Iterator[tuple[VllmServer, ...]]:
         max_model_len=MAX_MODEL_LEN,
         extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
     )
-    with running(p64, d64, push32) as servers:
+    p32 = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P-block32", max_model_len=MAX_MODEL_LEN)
+    d32 = pd_server(
+        tiny_model,
+        "kv_consumer",
+        form=ENTRY_POINT_FORM,
+        name="D-block32",
+        max_model_len=MAX_MODEL_LEN,
+        extra_config={"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10},
+    )
+    with running(p64, d64, push32, p32, d32) as servers:
         yield servers
+
+
+# This module's 32-token-block P and D instead of the session's: a server that read from a peer of
+# another block size and then wrote to it layer by layer (each a transfer of ~2000 descriptors) has
+# been seen to keep one NIXL UCX progress thread busy for good (a core; with nixl_num_threads 0, not),
+# and the session's then had to be restarted.
+@pytest.fixture(scope="module")
+def prefill_server(block64) -> VllmServer:
+    return block64[3]
+
+
+@pytest.fixture(scope="module")
+def decode_server(block64) -> VllmServer:
+    return block64[4]
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +119,10 @@ def test_decode_prefix_hit_loads_only_the_tokens_it_lacks(reference, prefill_ser
     assert d1.recv_blocks - d0.recv_blocks == 2, "D loaded blocks it had cached"
 
 
-def test_mooncake_push_between_block_sizes(reference, tiny_model):
+def test_mooncake_push_between_block_sizes(reference, tiny_model, mooncake_prefill):
     """Mooncake's default mode: P (32-token blocks) writes the tokens D (64-token blocks) names."""
     mc = {"handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": 10}
-    p = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mc-block32", max_model_len=MAX_MODEL_LEN)
+    p = mooncake_prefill
     d = pd_server(
         tiny_model,
         "kv_consumer",
@@ -106,14 +132,14 @@ def test_mooncake_push_between_block_sizes(reference, tiny_model):
         block_size=64,
         extra_config=mc,
     )
-    with running(p, d), ProxyProcess([p.url], [d.url]) as proxy:
+    with d, ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
         assert_push_matches_colocated(reference, p, d, proxy, prompts=fresh_prompts(45))
 
 
 def test_nixl_push_from_block64_into_block32(reference, block64):
     """D (32-token blocks) asks P (64-token blocks) to write: P maps the tokens D names into D's blocks."""
-    p64, _, d = block64
+    p64, d = block64[0], block64[2]
     with ProxyProcess([p64.url], [d.url]) as proxy:
         proxy.wait_ready()
         assert_push_matches_colocated(reference, p64, d, proxy, prompts=fresh_prompts(47))

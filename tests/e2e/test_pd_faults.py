@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvc_testing.cluster import generate, make_prompts, output_ids, pd_server, prefill, stats, wait_until
-from kvc_testing.procs import running
+from kvc_testing.procs import running, stop_all
 from kvc_testing.tiny_model import build_tiny_model
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -32,8 +32,21 @@ def faulty(tiny_model):
             transfer_config={"kv_load_failure_policy": "recompute"},
         ),
     }
-    with running(*servers.values()):
-        yield servers
+    # The two start-up refusals start now too, unwaited: their tests look at how they ended.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        busy_port = pd_server(tiny_model, "kv_producer", side_channel_port=port, name="P-busy-port", max_model_len=MAX_MODEL_LEN)
+        pp2 = pd_server(tiny_model, "kv_consumer", name="D-pp2", max_model_len=MAX_MODEL_LEN, multiprocessing=True, cpu_bind="0|1")
+        pp2.argv += ["--pipeline-parallel-size", "2"]
+        try:
+            for refused in (busy_port, pp2):
+                refused.start()
+            with running(*servers.values()):
+                yield {**servers, "busy_port": busy_port, "pp2": pp2}
+        finally:
+            stop_all([busy_port, pp2])
 
 
 @pytest.fixture(scope="module")
@@ -136,19 +149,17 @@ def test_producer_killed_before_decode_reads(reference, prefill_server, decode_s
     _assert_decode_still_serves(reference, prefill_server, decode_server)
 
 
-def test_side_channel_port_in_use_fails_start_up(tiny_model):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        server = pd_server(tiny_model, "kv_producer", side_channel_port=port, name="P-busy-port", max_model_len=MAX_MODEL_LEN)
-        log = _refused_at_start_up(server, 180, "server kept running with its side-channel port taken")
-        assert "side_channel_port" in log and str(port) in log, log[-2000:]
+def test_side_channel_port_in_use_fails_start_up(faulty):
+    server = faulty["busy_port"]  # started with the module's servers, its side-channel port held
+    log = _refused_at_start_up(server, 180, "server kept running with its side-channel port taken")
+    port = server.side_channel_port
+    assert "side_channel_port" in log and str(port) in log, log[-2000:]
 
 
 def _refused_at_start_up(server, timeout_s: float, why_not: str) -> str:
-    """Start the server, expect it to exit by itself within timeout_s; its log tail."""
-    server.start()
+    """The server (started already, or now) exits by itself within timeout_s; its log tail."""
+    if server.pid is None:
+        server.start()
     try:
         deadline = time.monotonic() + timeout_s
         while server.is_running() and time.monotonic() < deadline:
@@ -171,10 +182,8 @@ def test_recompute_policy_recovers_when_producer_dies(reference, faulty):
     assert stats(server).recv_failures == 1
 
 
-def test_pipeline_parallel_instance_is_refused_at_start_up(tiny_model):
+def test_pipeline_parallel_instance_is_refused_at_start_up(faulty):
     """PP 2 would have each stage load the peer's layers of stage 0 (wrong tokens): refused. TP is
     served rank to rank (test_pd_tp.py)."""
-    server = pd_server(tiny_model, "kv_consumer", name="D-pp2", max_model_len=MAX_MODEL_LEN, multiprocessing=True, cpu_bind="0|1")
-    server.argv += ["--pipeline-parallel-size", "2"]
-    log = _refused_at_start_up(server, 240, "a PP 2 instance with our connector kept running")
+    log = _refused_at_start_up(faulty["pp2"], 240, "a PP 2 instance with our connector kept running")
     assert "pipeline_parallel_size 1 only" in log, log[-2000:]

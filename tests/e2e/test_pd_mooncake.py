@@ -25,10 +25,9 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="module")
-def mc_pair(tiny_model, perturbed_model) -> Iterator[tuple[VllmServer, ...]]:
-    """P and D over Mooncake, and the producers two tests need (perturbed K/V weights; one they kill),
-    started together."""
-    prefill = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake", max_model_len=MAX_MODEL_LEN)
+def mc_pair(tiny_model, perturbed_model, mooncake_prefill) -> Iterator[tuple[VllmServer, ...]]:
+    """The session's P over Mooncake; D, and the producers two tests need (perturbed K/V weights; one
+    they kill), started together."""
     decode = pd_server(
         tiny_model,
         "kv_consumer",
@@ -41,8 +40,8 @@ def mc_pair(tiny_model, perturbed_model) -> Iterator[tuple[VllmServer, ...]]:
         perturbed_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-perturbed", max_model_len=MAX_MODEL_LEN
     )
     doomed = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake-killed", max_model_len=MAX_MODEL_LEN)
-    with running(prefill, decode, perturbed, doomed) as servers:
-        yield servers
+    with running(decode, perturbed, doomed):
+        yield mooncake_prefill, decode, perturbed, doomed
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from kvc_testing.cluster import (
     stats,
     wait_until,
 )
-from kvc_testing.procs import VllmServer, running
+from kvc_testing.procs import VllmServer
 from kvc_testing.routers import PINS, RouterProcess, ensure_routers, register_smg_workers, smg, vllm_router
 from tests.e2e.conftest import MAX_MODEL_LEN
 
@@ -397,16 +397,18 @@ def test_prefill_killed_mid_run_behind_vllm_router_gives_no_wrong_answer(fleet: 
         wait_until(lambda: stats(survivor).held_blocks == 0, 40, "P1 to free every block")
 
 
-def test_our_mooncake_connector_behind_vllm_router_in_nixl_mode(fleet: Fleet, tiny_model: Path) -> None:
+def test_our_mooncake_connector_behind_vllm_router_in_nixl_mode(
+    fleet: Fleet, tiny_model: Path, mooncake_prefill: VllmServer
+) -> None:
     """vllm-router's `--kv-connector mooncake` asks each P for the bootstrap server of vLLM's built-in
     MooncakeConnector (http://P_HOST:8998/query), which ours does not run. Our MooncakeConnector (push
     by default: D asks, P writes into D's blocks) answers the NIXL-style flow, so `--kv-connector nixl`
-    serves it. After the fault case, whose dead P2 leaves room for these two servers."""
-    p = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="MP", max_model_len=MAX_MODEL_LEN)
+    serves it. After the fault case, whose dead P2 leaves room for this D (P is the session's)."""
+    p = mooncake_prefill
     d = pd_server(
         tiny_model, "kv_consumer", form=MOONCAKE_MODULE_FORM, name="MD", max_model_len=MAX_MODEL_LEN, extra_config=D_CONFIG
     )
-    with running(p, d), _router(vllm_router(fleet.bin, [p.url], [d.url], *VLLM_ROUTER_ARGS)) as router:
+    with d, _router(vllm_router(fleet.bin, [p.url], [d.url], *VLLM_ROUTER_ARGS)) as router:
         pushes0 = stats(p).pushes
         todo = asks(9, seed=108)
         print("\nMooncake, " + fleet.check(router, todo, [p], [d]))
