@@ -22,6 +22,7 @@ from kvc_testing.procs import (
     free_port,
     free_ports,
     restart_busy,
+    running,
 )
 from kvc_testing.tiny_model import (
     MARKER_FILE,
@@ -60,15 +61,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     logs = tmp_path_factory.mktemp("vllm-logs")
     ref = VllmServer(model, served_model_name="tiny", log_path=logs / "ref.log")
     pert = VllmServer(perturbed_model, served_model_name="tiny", log_path=logs / "pert.log")
-    try:
-        ref.start()
-        pert.start()
-        ref.wait_ready(300)
-        pert.wait_ready(300)
+    with running(ref, pert, timeout=300):
         yield Servers(model, perturbed_model, ref, pert)
-    finally:
-        ref.stop()
-        pert.stop()
 
 
 def _greedy(url: str, prompt: str | list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
