@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kv_connectors import __version__, checks
+from kv_connectors import __version__, checks, modelgroups
 from kv_connectors.errors import ConfigError
 
 EPILOG = "Docs: docs/cli.md."
@@ -34,6 +34,14 @@ def _check_config(args: argparse.Namespace) -> int:
     problems = checks.host_problems(checked.kind, cfg, args.tensor_parallel_size, args.data_parallel_size) if args.here else []
     if problems:
         return _fail(args, "; ".join(problems))
+    groups = None
+    if args.model is not None:
+        try:
+            groups = modelgroups.model_groups(modelgroups.read_config(args.model))
+        except ConfigError as e:
+            return _fail(args, str(e))
+        if not groups.served:
+            return _fail(args, f"model {args.model} ({groups.architecture}): {groups.refusal}", model=groups.as_dict())
     summary: dict[str, Any] = {
         "ok": True,
         "transport": checked.kind,
@@ -47,24 +55,27 @@ def _check_config(args: argparse.Namespace) -> int:
         "authenticated": bool(cfg.side_channel_secret),
         "vllm": checked.vllm,
         "warnings": list(checked.warnings),
+        "model": groups.as_dict() if groups is not None else None,
     }
     if args.json:
         print(json.dumps(summary))
         return 0
-    shown = {k: v for k, v in summary.items() if k not in ("ok", "vllm", "warnings")}
+    shown = {k: v for k, v in summary.items() if k not in ("ok", "vllm", "warnings", "model")}
     if cfg.side_channel_host in ("127.0.0.1", "localhost", "::1"):
         shown["side_channel"] += " (this host only: set side_channel_host across hosts)"
     print("OK: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
     if checked.vllm:
         print(f"accepted by vLLM {checked.vllm}'s KVTransferConfig")
+    if groups is not None:
+        print(f"model: {groups.describe()}")
     for warning in checked.warnings:
         print(f"warning: {warning}")
     return 0
 
 
-def _fail(args: argparse.Namespace, message: str) -> int:
+def _fail(args: argparse.Namespace, message: str, **extra: Any) -> int:
     if args.json:
-        print(json.dumps({"ok": False, "error": message}))
+        print(json.dumps({"ok": False, "error": message, **extra}))
     else:
         print(f"error: {message}", file=sys.stderr)
     return 2
@@ -91,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate a --kv-transfer-config offline (exit 2 if it would not start)",
         description="Check a --kv-transfer-config as start-up would: vLLM's own KVTransferConfig (where vLLM is "
         "importable), then the connector's checks (connector name, role, every kv_connector_extra_config key, "
-        "parallelism, the transport's engine); keys that do nothing for that connector or role are named. "
+        "parallelism, the transport's engine, with --model the model's kinds of cached layers); keys that do "
+        "nothing for that connector or role are named. "
         "Exit 0 when it would start, 2 when it would not.",
     )
     check.add_argument("config", help="the --kv-transfer-config JSON, as given to vLLM")
@@ -99,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="as given to vLLM")
     check.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="as given to vLLM (--here: its ports)")
     check.add_argument("--here", action="store_true", help="also check this host: free side-channel port(s), RDMA devices")
+    check.add_argument(
+        "--model",
+        metavar="PATH",
+        help="also read this model's config.json (its directory or the file): its cached layers by kind (full, "
+        "sliding window, chunked, Mamba, linear attention, MLA) and whether they are served (exit 2 if refused)",
+    )
     check.add_argument("--json", action="store_true", help="one JSON object on stdout")
     check.set_defaults(run=_check_config)
     doc = sub.add_parser(
