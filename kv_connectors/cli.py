@@ -86,7 +86,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
     if args.serve is not None:
         return doctor.serve(args.serve, args.serve_s)
-    report = doctor.run(probe_paths=not args.no_probe, config=args.config, peers=args.peer or (), verbose=args.verbose)
+    report = doctor.run(
+        probe_paths=not args.no_probe, config=args.config, peers=args.peer or (), model=args.model, verbose=args.verbose
+    )
     print(json.dumps(report) if args.json else doctor.render(report))
     return doctor.exit_status(report)
 
@@ -128,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
         "is unreachable.",
     )
     doc.add_argument("--config", help="also check this --kv-transfer-config here (exit 2 if it cannot work)")
+    doc.add_argument(
+        "--model",
+        metavar="PATH",
+        help="also show this model's cached layers by kind, from its config.json (exit 2 if start-up would refuse it)",
+    )
     doc.add_argument("--no-probe", action="store_true", help="skip the two-process bandwidth probes")
     doc.add_argument(
         "--peer",

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kv_connectors import checks
+from kv_connectors import checks, modelgroups
 from kv_connectors.doctor.advice import choose, recommend
 from kv_connectors.doctor.facts import devices, known_problems, transparent_huge_pages, ucx, versions
 from kv_connectors.doctor.local_probe import probe_local
@@ -15,7 +15,7 @@ from kv_connectors.doctor.peerprobe import DEFAULT_PORT, parse_peer
 from kv_connectors.doctor.peerprobe import serve as serve_probers
 from kv_connectors.doctor.peers import peer_report
 from kv_connectors.doctor.ucxinfo import proto_info_log, selected_in, ucx_selection
-from kv_connectors.errors import KVConnectorError
+from kv_connectors.errors import ConfigError, KVConnectorError
 from kv_connectors.transports import require_transport
 
 
@@ -47,7 +47,17 @@ def probe_all() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     return {k: results[k] for k in sorted(results, key=lambda k: (k.split("+")[0] != "nixl", k))}, selected
 
 
-def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequence[str] = ()) -> dict[str, Any]:
+def model_report(path: str) -> dict[str, Any]:
+    """`--model`: the model's cached layers by kind and start-up's verdict, or why its config was unreadable."""
+    try:
+        return {"path": path, **modelgroups.model_groups(modelgroups.read_config(path)).as_dict()}
+    except ConfigError as e:
+        return {"path": path, "error": str(e)}
+
+
+def diagnose(
+    *, probe_paths: bool = True, config: str | None = None, peers: Sequence[str] = (), model: str | None = None
+) -> dict[str, Any]:
     started = time.monotonic()
     v = versions()
     dev = devices()
@@ -73,20 +83,32 @@ def diagnose(*, probe_paths: bool = True, config: str | None = None, peers: Sequ
         report["recommendation"]["warnings"] += [w for p in report["peers"] for w in p["warnings"]]
     if config is not None:
         report["config_problems"] = checks.config_problems(config)
+    if model is not None:
+        report["model"] = model_report(model)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     return report
 
 
-def run(*, probe_paths: bool = True, config: str | None = None, peers: Sequence[str] = (), verbose: bool = False) -> dict[str, Any]:
+def run(
+    *,
+    probe_paths: bool = True,
+    config: str | None = None,
+    peers: Sequence[str] = (),
+    model: str | None = None,
+    verbose: bool = False,
+) -> dict[str, Any]:
     """diagnose() with the engines' own output dropped (or, verbose, on stderr): stdout is the report's."""
     with checks.engine_output(verbose):
-        return diagnose(probe_paths=probe_paths, config=config, peers=peers)
+        return diagnose(probe_paths=probe_paths, config=config, peers=peers, model=model)
 
 
 def exit_status(report: dict[str, Any]) -> int:
-    """2 when the given configuration cannot work here or a peer is unreachable, else 0."""
+    """2 when the given configuration cannot work here, a peer is unreachable or the given model would
+    be refused at start-up (or its config cannot be read), else 0."""
     unreachable = any("error" in p for p in report.get("peers", []))
-    return 2 if report.get("config_problems") or unreachable else 0
+    model = report.get("model")
+    refused = model is not None and ("error" in model or not model["served"])
+    return 2 if report.get("config_problems") or unreachable or refused else 0
 
 
 def serve(spec: str, seconds: float) -> int:

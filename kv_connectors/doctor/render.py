@@ -59,6 +59,21 @@ def render(report: dict[str, Any]) -> str:
     lines += [f"WARNING: {w}" for w in rec["warnings"]]
     if "config_problems" in report:
         lines += [f"CONFIG PROBLEM: {p}" for p in report["config_problems"]] or ["config: OK here"]
+    if "model" in report:
+        lines += _model_lines(report["model"])
     if "elapsed_s" in report:
         lines.append(f"(doctor took {report['elapsed_s']} s)")
     return "\n".join(lines)
+
+
+def _model_lines(model: dict[str, Any]) -> list[str]:
+    """`--model`: its verdict, then a line per kind of cached layer (as check-config --model prints them)."""
+    if "error" in model:
+        return [f"MODEL PROBLEM: {model['error']}"]
+    head = f"model: {model['architecture']}, " + ("hybrid, " if len(model["kinds"]) > 1 else "")
+    head += "served" if model["served"] else f"refused: {model['refusal']}"
+    rows = []
+    for k in model["kinds"]:
+        window = f" (window {k['window']})" if k["window"] else ""
+        rows.append(f"  {k['kind']}{window}: {len(k['layers'])} layers")
+    return [head if model["served"] else "MODEL PROBLEM: " + head, *rows]

@@ -185,3 +185,21 @@ def test_check_config_names_a_model_path_it_cannot_read(tmp_path: Path, capsys: 
     (tmp_path / "config.json").write_text("[1, 2]")
     code, out = _cli(capsys, "--model", str(tmp_path))
     assert code == 2 and "is not a JSON object" in out["error"]
+
+
+def test_doctor_shows_the_models_kinds_and_exits_2_for_a_refused_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    served, refused = tmp_path / "gpt-oss", tmp_path / "jamba"
+    for folder, config in ((served, GPT_OSS), (refused, JAMBA)):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    assert cli.main(["doctor", "--no-probe", "--json", "--model", str(served)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["path"] == str(served) and report["model"]["served"] is True
+    assert [k["kind"] for k in report["model"]["kinds"]] == [SLIDING, FULL]
+    assert cli.main(["doctor", "--no-probe", "--model", str(served)]) == 0
+    out = capsys.readouterr().out
+    assert "model: GptOssForCausalLM, hybrid, served" in out and "  sliding_attention (window 128): 2 layers" in out
+    assert cli.main(["doctor", "--no-probe", "--model", str(refused)]) == 2
+    assert "MODEL PROBLEM: model: JambaForCausalLM, hybrid, refused: mamba layers (layers 0-1, 3)" in capsys.readouterr().out
+    assert cli.main(["doctor", "--no-probe", "--json", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "cannot read the model's config" in json.loads(capsys.readouterr().out)["model"]["error"]
