@@ -58,9 +58,9 @@ def perturbed_model(tiny_model: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def _session_servers(tiny_model: Path) -> Iterator[tuple[VllmServer, ...]]:
-    """The colocated reference, P and D, and a P over Mooncake (three modules write from it), started
-    together (nearly every module needs the first three)."""
+def _session_servers(tiny_model: Path, perturbed_model: Path) -> Iterator[tuple[VllmServer, ...]]:
+    """The colocated reference, P and D, a P over Mooncake (three modules write from it) and a P with
+    perturbed K/V weights (three modules), started together (nearly every module needs the first three)."""
     reference = VllmServer(tiny_model, max_model_len=MAX_MODEL_LEN, name="colocated")
     prefill = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P", max_model_len=MAX_MODEL_LEN)
     decode = pd_server(
@@ -72,9 +72,10 @@ def _session_servers(tiny_model: Path) -> Iterator[tuple[VllmServer, ...]]:
         extra_config={"handshake_timeout_s": D_HANDSHAKE_S, "transfer_timeout_s": D_TRANSFER_S},
     )
     mooncake = pd_server(tiny_model, "kv_producer", form=MOONCAKE_MODULE_FORM, name="P-mooncake", max_model_len=MAX_MODEL_LEN)
-    with running(reference, prefill, decode, mooncake):
-        _LONG_LIVED.extend([prefill, decode, mooncake])
-        yield reference, prefill, decode, mooncake
+    perturbed = pd_server(perturbed_model, "kv_producer", form=MODULE_FORM, name="P-perturbed", max_model_len=MAX_MODEL_LEN)
+    with running(reference, prefill, decode, mooncake, perturbed):
+        _LONG_LIVED.extend([prefill, decode, mooncake, perturbed])
+        yield reference, prefill, decode, mooncake, perturbed
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +97,18 @@ def decode_server(_session_servers: tuple[VllmServer, ...]) -> VllmServer:
 def mooncake_prefill(_session_servers: tuple[VllmServer, ...]) -> VllmServer:
     """P over Mooncake (module-path form, defaults): a D over Mooncake asks it to write."""
     return _session_servers[3]
+
+
+@pytest.fixture
+def perturbed_prefill(_session_servers: tuple[VllmServer, ...]) -> VllmServer:
+    """P on the tiny model with perturbed K/V weights (the same compatibility hash as P's): a D that
+    loads its KV answers otherwise than colocated, which proves the KV travelled. Started again if a
+    test stopped it (test_tiny_model checks what stopping a server leaves behind)."""
+    server = _session_servers[4]
+    if not server.is_running():
+        server.start()
+        server.wait_ready()
+    return server
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ def _builtin_style(model, role: str, name: str, port: int, tp: int = 1, **extra:
         extra_env=env,
         name=name,
         max_model_len=MAX_MODEL_LEN,
-        **({"multiprocessing": True, "cpu_bind": "0|0", "cpus": "0"} if tp > 1 else {}),
+        **({"multiprocessing": True, "cpu_bind": "0|0", "ready_cpus": "0"} if tp > 1 else {}),
     )
     server.side_channel_port = port  # type: ignore[attr-defined]  # where kvc_testing's stats() asks
     return server

@@ -48,7 +48,7 @@ def dp_pair(tiny_model) -> Iterator[tuple[VllmServer, ...]]:
         dp=DP,
         extra_config={"lease_s": 240},
         cpu_bind="0|0",
-        cpus="0",
+        ready_cpus="0",
     )
     with running(server, _patient_decode(tiny_model, "D-patient"), _patient_decode(tiny_model, "D-dp2", dp=DP)) as servers:
         yield servers
@@ -71,7 +71,7 @@ def _patient_decode(tiny_model, name: str, dp: int = 1) -> VllmServer:
         max_model_len=MAX_MODEL_LEN,
         dp=dp,
         extra_config=extra,
-        cpus="1",
+        ready_cpus="1",
         **pinned,
     )
 

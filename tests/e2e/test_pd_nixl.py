@@ -7,9 +7,8 @@ import json
 import httpx
 import pytest
 
-from kvc_testing.cluster import generate, make_prompts, metric, output_ids, pd_server, stats, wait_until
+from kvc_testing.cluster import generate, make_prompts, metric, output_ids, stats, wait_until
 from tests.e2e.checks import MAX_TOKENS, PROMPTS, assert_foreign_kv_changes_output, assert_pd_matches_colocated
-from tests.e2e.conftest import MAX_MODEL_LEN
 
 
 def _p_released(prefill_server) -> bool:
@@ -55,10 +54,8 @@ def test_prefix_cache_hit_on_decode_reads_only_the_rest(reference, prefill_serve
     wait_until(lambda: _p_released(prefill_server), 10, "P to free the blocks")
 
 
-def test_foreign_kv_changes_decode_output(reference, perturbed_model, decode_server):
-    server = pd_server(perturbed_model, "kv_producer", name="P-perturbed", max_model_len=MAX_MODEL_LEN)
-    with server:
-        assert_foreign_kv_changes_output(reference, server, decode_server)
+def test_foreign_kv_changes_decode_output(reference, perturbed_prefill, decode_server):
+    assert_foreign_kv_changes_output(reference, perturbed_prefill, decode_server)
 
 
 def test_phase_histograms_move_and_add_up(prefill_server, decode_server, proxy):

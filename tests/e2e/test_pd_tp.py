@@ -48,13 +48,13 @@ _PROXY_ARGS = ["--health-timeout-s", "10", "--unhealthy-after", "5"]
 # second after every step, and an engine steps every millisecond while it holds blocks for a peer:
 # P's three processes then starve D's API server on 2 shared cores (measured: D saw its request only
 # once P's lease had run out, 30 s later). Pinned, a TP 2 load takes milliseconds.
-_CORE = ({"cpu_bind": "0|0", "cpus": "0"}, {"cpu_bind": "1|1", "cpus": "1"})
+_CORE = ({"cpu_bind": "0|0", "ready_cpus": "0"}, {"cpu_bind": "1|1", "ready_cpus": "1"})
 
 
 @pytest.fixture(scope="module")
-def tp_pair(tiny_model, perturbed_model) -> Iterator[tuple[VllmServer, ...]]:
-    """P and D at TP 2, each on its own core, a pushing D at TP 2 (on D's core) and two servers at TP 1
-    later tests need (a pushing D and a P with perturbed K/V weights), started together."""
+def tp_pair(tiny_model) -> Iterator[tuple[VllmServer, ...]]:
+    """P and D at TP 2, each on its own core, a pushing D at TP 2 (on D's core) and a pushing D at TP 1,
+    started together."""
     p_tp2 = pd_server(tiny_model, "kv_producer", form=MODULE_FORM, name="P-tp2", max_model_len=MAX_MODEL_LEN, tp=TP, **_CORE[0])
     decode_tp2 = pd_server(
         tiny_model,
@@ -73,7 +73,6 @@ def tp_pair(tiny_model, perturbed_model) -> Iterator[tuple[VllmServer, ...]]:
         max_model_len=MAX_MODEL_LEN,
         extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": TRANSFER_S},
     )
-    perturbed_tp1 = pd_server(perturbed_model, "kv_producer", name="P-tp1-perturbed", max_model_len=MAX_MODEL_LEN)
     push_tp2 = pd_server(
         tiny_model,
         "kv_consumer",
@@ -83,7 +82,7 @@ def tp_pair(tiny_model, perturbed_model) -> Iterator[tuple[VllmServer, ...]]:
         extra_config={"mode": "push", "handshake_timeout_s": HANDSHAKE_S, "transfer_timeout_s": TRANSFER_S},
         **_CORE[1],
     )
-    with running(p_tp2, decode_tp2, push_tp1, perturbed_tp1, push_tp2) as servers:
+    with running(p_tp2, decode_tp2, push_tp1, push_tp2) as servers:
         yield servers
 
 
@@ -131,7 +130,7 @@ def test_prefill_tp2_to_decode_tp1_push(reference, tp_pair, tp_prefill):
 def test_push_into_decode_tp2_from_prefill_tp2_and_tp1(reference, tp_pair, tp_prefill, prefill_server):
     """Push into a D at TP 2: from P at TP 2 each P rank writes its head into the D rank of its
     number; from P at TP 1 P's one rank writes each D rank its head (two writes per prompt)."""
-    d = tp_pair[4]
+    d = tp_pair[3]
     for p, p_tp, seed in ((tp_prefill, TP, 37), (prefill_server, 1, 38)):
         with ProxyProcess([p.url], [d.url], extra_args=_PROXY_ARGS) as proxy:
             proxy.wait_ready()
@@ -147,9 +146,9 @@ def test_tp2_transfer_id_flow_with_layerwise_push(reference, tp_prefill, tp_deco
     assert stats(tp_prefill, rank=1).layerwise_pushes >= len(prompts), "P rank 1 did not push layer-wise"
 
 
-def test_foreign_kv_from_a_tp1_prefill_changes_tp2_decode_output(reference, tp_pair, tp_decode):
+def test_foreign_kv_from_a_tp1_prefill_changes_tp2_decode_output(reference, perturbed_prefill, tp_decode):
     """P at TP 1 with perturbed K/V weights: both D ranks' heads come from P (heterogeneous TP)."""
-    assert_foreign_kv_changes_output(reference, tp_pair[3], tp_decode)
+    assert_foreign_kv_changes_output(reference, perturbed_prefill, tp_decode)
 
 
 def test_transfer_id_flow_between_tp_sizes_with_layerwise_push(reference, prefill_server, tp_decode, tp_prefill, decode_server):

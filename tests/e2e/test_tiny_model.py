@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from kvc_testing.procs import (
     free_port,
     free_ports,
     restart_busy,
-    running,
 )
 from kvc_testing.tiny_model import (
     MARKER_FILE,
@@ -53,16 +51,11 @@ class Servers:
     perturbed: VllmServer
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    """One server on the tiny model, one on its KV-perturbed copy, started concurrently."""
-    model = build_tiny_model()
-    perturbed_model = perturb_kv_weights(model)
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    ref = VllmServer(model, served_model_name="tiny", log_path=logs / "ref.log")
-    pert = VllmServer(perturbed_model, served_model_name="tiny", log_path=logs / "pert.log")
-    with running(ref, pert, timeout=300):
-        yield Servers(model, perturbed_model, ref, pert)
+@pytest.fixture
+def servers(tiny_model: Path, perturbed_model: Path, reference: VllmServer, perturbed_prefill: VllmServer) -> Servers:
+    """The session's colocated server on the tiny model and its P on the KV-perturbed copy (a P serves
+    a plain completion as any server does)."""
+    return Servers(tiny_model, perturbed_model, reference, perturbed_prefill)
 
 
 def _greedy(url: str, prompt: str | list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -94,10 +87,11 @@ def test_token_id_prompt_matches_text_prompt(servers: Servers) -> None:
 
 
 def test_chat_completions_uses_chat_template(servers: Servers) -> None:
+    (served,) = httpx.get(f"{servers.ref.url}/v1/models", timeout=10).json()["data"]
     resp = httpx.post(
         f"{servers.ref.url}/v1/chat/completions",
         json={
-            "model": "tiny",
+            "model": served["id"],
             "messages": [{"role": "user", "content": "hello there"}],
             "max_tokens": 8,
             "temperature": 0,
@@ -208,7 +202,7 @@ def test_server_env_drops_legacy_kv_knob(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_stop_leaves_no_vllm_process_behind(servers: Servers) -> None:
-    # Last test using `servers`: it stops the perturbed server (the fixture's stop is then a no-op).
+    # It stops the session's perturbed P: the next test asking for it starts it again.
     srv = servers.perturbed
     pgid = srv.pgid
     assert pgid is not None and srv.is_running()

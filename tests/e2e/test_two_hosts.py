@@ -30,7 +30,8 @@ from tests.e2e.conftest import MAX_MODEL_LEN
 
 pytestmark = pytest.mark.timeout(900)
 
-SIDE_CHANNEL_PORT = 5710  # the same on both hosts: each namespace has its own ports
+# Each namespace has its own ports: P's first side channel and D's first are both this one.
+SIDE_CHANNEL_PORT = 5710
 UCX_OVER_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 D_DEADLINES = {"handshake_timeout_s": 5, "transfer_timeout_s": 10}
 
@@ -43,12 +44,15 @@ def hosts() -> Iterator[netns.TwoHosts]:
         yield h
 
 
-def _server(model, host: netns.Host, role: str, form: dict, name: str, server_kwargs: dict | None = None, **extra) -> VllmServer:
-    """extra: our kv_connector_extra_config keys; server_kwargs: VllmServer's (e.g. kv_cache_bytes)."""
+def _server(
+    model, host: netns.Host, role: str, form: dict, name: str, port: int, server_kwargs: dict | None = None, **extra
+) -> VllmServer:
+    """port: its side channel's, in its namespace; extra: our kv_connector_extra_config keys;
+    server_kwargs: VllmServer's (e.g. kv_cache_bytes)."""
     return pd_server(
         model,
         role,
-        side_channel_port=SIDE_CHANNEL_PORT,
+        side_channel_port=port,
         form=form,
         name=name,
         host=host.address,
@@ -60,71 +64,97 @@ def _server(model, host: netns.Host, role: str, form: dict, name: str, server_kw
     )
 
 
-def _stats(host: netns.Host):
-    return sidechannel.query_stats(host.address, SIDE_CHANNEL_PORT)
+def _stats(host: netns.Host, server: VllmServer):
+    return sidechannel.query_stats(host.address, server.side_channel_port)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_model, hosts) -> Iterator[dict[str, tuple[VllmServer, VllmServer, VllmServer]]]:
+    """For NIXL and for Mooncake: P in P's namespace, a pulling and a pushing D in D's, each on a
+    side-channel port of its own there; all six started together. P's lease is 5 s: the cut-link
+    test waits for it to free what D could not read."""
+    servers: dict[str, tuple[VllmServer, VllmServer, VllmServer]] = {}
+    for i, (transport, form) in enumerate((("nixl", MODULE_FORM), ("mooncake", MOONCAKE_MODULE_FORM))):
+        p = _server(tiny_model, hosts.p, "kv_producer", form, f"P-{transport}-netns", SIDE_CHANNEL_PORT + i, lease_s=5)
+        pull = _server(
+            tiny_model,
+            hosts.d,
+            "kv_consumer",
+            form,
+            f"D-{transport}-pull-netns",
+            SIDE_CHANNEL_PORT + 2 * i,
+            mode="pull",
+            **D_DEADLINES,
+        )
+        push = _server(
+            tiny_model,
+            hosts.d,
+            "kv_consumer",
+            form,
+            f"D-{transport}-push-netns",
+            SIDE_CHANNEL_PORT + 2 * i + 1,
+            mode="push",
+            **D_DEADLINES,
+        )
+        servers[transport] = (p, pull, push)
+    with running(*(s for trio in servers.values() for s in trio)):
+        yield servers
 
 
 def _exact_through_proxy(reference, p: VllmServer, d: VllmServer, hosts: netns.TwoHosts, prompts, pull: bool = False) -> None:
     """Greedy-exact through the proxy, every prompt loaded from P; pulled loads proved by P's lease
     words (one-sided reads over TCP too, no claim) where `pull`."""
-    before = _stats(hosts.d)
+    before = _stats(hosts.d, d)
     with ProxyProcess([p.url], [d.url]) as proxy:
         proxy.wait_ready()
         for prompt in prompts:
             expected = output_ids(generate(reference.url, prompt, MAX_TOKENS))
             assert output_ids(generate(proxy.url, prompt, MAX_TOKENS)) == expected, f"prompt of {len(prompt)} tokens"
-    after = _stats(hosts.d)
+    after = _stats(hosts.d, d)
     assert after.recv_transfers - before.recv_transfers == len(prompts), "D did not load every prompt from P"
     assert after.recv_bytes > before.recv_bytes and after.recv_failures == before.recv_failures
     if pull:
         assert after.reads_fenced_by_words - before.reads_fenced_by_words == len(prompts), (before, after)
-    wait_until(lambda: _stats(hosts.p).held_blocks == 0, 15, "P to free the blocks D loaded")
+    wait_until(lambda: _stats(hosts.p, p).held_blocks == 0, 15, "P to free the blocks D loaded")
 
 
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
-def test_greedy_exact_across_hosts_pull_and_push(tiny_model, reference, hosts, transport):
-    form = MODULE_FORM if transport == "nixl" else MOONCAKE_MODULE_FORM
-    p = _server(tiny_model, hosts.p, "kv_producer", form, f"P-{transport}-netns")
-    pull = _server(tiny_model, hosts.d, "kv_consumer", form, f"D-{transport}-pull-netns", mode="pull", **D_DEADLINES)
-    push = _server(tiny_model, hosts.d, "kv_consumer", form, f"D-{transport}-push-netns", mode="push", **D_DEADLINES)
-    with running(p, pull):
-        _exact_through_proxy(reference, p, pull, hosts, make_prompts([40, 150, 333], seed=21), pull=True)
-        pull.stop()  # its side-channel port is the push D's (one fixed port in D's namespace)
-        with push:  # the same P serves a D that asks it to write
-            _exact_through_proxy(reference, p, push, hosts, make_prompts([60, 200], seed=22))
+def test_greedy_exact_across_hosts_pull_and_push(reference, hosts, pairs, transport):
+    p, pull, push = pairs[transport]
+    _exact_through_proxy(reference, p, pull, hosts, make_prompts([40, 150, 333], seed=21), pull=True)
+    # the same P serves a D that asks it to write
+    _exact_through_proxy(reference, p, push, hosts, make_prompts([60, 200], seed=22))
 
 
-def test_cut_link_fails_the_load_once_its_read_ended_and_recovers(tiny_model, reference, hosts):
+def test_cut_link_fails_the_load_once_its_read_ended_and_recovers(reference, hosts, pairs):
     """P's link is cut with D's read in flight: no engine stops that read, so D keeps the request's
     blocks past its deadline (settling) instead of handing vLLM blocks the read could still land in.
     Once the link is back the read ends, D reports the load failed (an error, never a wrong answer),
     and loads succeed again."""
-    p = _server(tiny_model, hosts.p, "kv_producer", MODULE_FORM, "P-cut-netns", lease_s=5)
-    d = _server(tiny_model, hosts.d, "kv_consumer", MODULE_FORM, "D-cut-netns", **D_DEADLINES)
-    with running(p, d):
-        _exact_through_proxy(reference, p, d, hosts, make_prompts([100], seed=23))  # connected before the cut
-        prompt = make_prompts([180], seed=24)[0]
-        params = generate(p.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
-        settled_before = _stats(hosts.d).settled_loads
-        restore_after = D_DEADLINES["handshake_timeout_s"] + D_DEADLINES["transfer_timeout_s"] + 5
-        hosts.p.cut()
-        restorer = threading.Timer(restore_after, hosts.p.restore)
-        restorer.start()
-        try:
-            started = time.monotonic()
-            r = generate(d.url, prompt, MAX_TOKENS, timeout=180, kv_transfer_params=params)
-            elapsed = time.monotonic() - started
-            assert r.status_code != 200 or "error" in r.text.lower(), f"D answered a load it could not do: {r.text[:300]}"
-            assert elapsed >= restore_after - 1, f"D reported the load failed after {elapsed:.1f} s, with its read still moving"
-            assert elapsed < restore_after + 60, f"D took {elapsed:.1f} s to fail the load once the link was back"
-            after = _stats(hosts.d)
-            assert after.recv_failures >= 1 and after.settled_loads > settled_before, after
-        finally:
-            restorer.cancel()
-            hosts.p.restore()
-        # P frees the unread blocks at its lease; loads work again over the restored link.
-        wait_until(lambda: _stats(hosts.p).held_blocks == 0, 30, "P to free the blocks after the lease")
-        _exact_through_proxy(reference, p, d, hosts, make_prompts([90, 260], seed=25))
+    p, d, _ = pairs["nixl"]
+    _exact_through_proxy(reference, p, d, hosts, make_prompts([100], seed=23))  # connected before the cut
+    prompt = make_prompts([180], seed=24)[0]
+    params = generate(p.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}).json()["kv_transfer_params"]
+    settled_before = _stats(hosts.d, d).settled_loads
+    restore_after = D_DEADLINES["handshake_timeout_s"] + D_DEADLINES["transfer_timeout_s"] + 5
+    hosts.p.cut()
+    restorer = threading.Timer(restore_after, hosts.p.restore)
+    restorer.start()
+    try:
+        started = time.monotonic()
+        r = generate(d.url, prompt, MAX_TOKENS, timeout=180, kv_transfer_params=params)
+        elapsed = time.monotonic() - started
+        assert r.status_code != 200 or "error" in r.text.lower(), f"D answered a load it could not do: {r.text[:300]}"
+        assert elapsed >= restore_after - 1, f"D reported the load failed after {elapsed:.1f} s, with its read still moving"
+        assert elapsed < restore_after + 60, f"D took {elapsed:.1f} s to fail the load once the link was back"
+        after = _stats(hosts.d, d)
+        assert after.recv_failures >= 1 and after.settled_loads > settled_before, after
+    finally:
+        restorer.cancel()
+        hosts.p.restore()
+    # P frees the unread blocks at its lease; loads work again over the restored link.
+    wait_until(lambda: _stats(hosts.p, p).held_blocks == 0, 30, "P to free the blocks after the lease")
+    _exact_through_proxy(reference, p, d, hosts, make_prompts([90, 260], seed=25))
 
 
 def _doctor_in(host: netns.Host, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -216,13 +246,15 @@ def test_a_transfer_that_outlives_ds_deadline_never_lands_in_blocks_another_requ
     abandoned read: had vLLM been told at the deadline, its bytes would land in B's blocks as they
     keep arriving (C would then decode from another prompt's KV). D settles first: B and C decode
     exactly as colocated, and A fails cleanly."""
-    p = _server(tiny_model, hosts.p, "kv_producer", MODULE_FORM, "P-slow-netns", lease_s=120)
+    # side channels past the module's six servers' (still running)
+    p = _server(tiny_model, hosts.p, "kv_producer", MODULE_FORM, "P-slow-netns", SIDE_CHANNEL_PORT + 2, lease_s=120)
     d = _server(
         tiny_model,
         hosts.d,
         "kv_consumer",
         MODULE_FORM,
         "D-slow-netns",
+        SIDE_CHANNEL_PORT + 4,
         server_kwargs={"kv_cache_bytes": D_BLOCKS * BLOCK_BYTES},
         handshake_timeout_s=5,
         transfer_timeout_s=3,
@@ -234,7 +266,7 @@ def test_a_transfer_that_outlives_ds_deadline_never_lands_in_blocks_another_requ
         b_expected = output_ids(generate(reference.url, b_prompt, MAX_TOKENS))
         netns.slow(hosts.p, rate="400kbit")  # ~400 KB of KV: ~8 s, past D's 3 s deadline
         try:
-            settled_before = _stats(hosts.d).settled_loads
+            settled_before = _stats(hosts.d, d).settled_loads
             results: dict[str, object] = {}
 
             def load_a() -> None:
@@ -253,4 +285,4 @@ def test_a_transfer_that_outlives_ds_deadline_never_lands_in_blocks_another_requ
         assert ra is not None and (ra.status_code != 200 or "error" in ra.text.lower()), "D answered a load that failed"
         assert output_ids(b) == b_expected, "B decoded from blocks an abandoned read was still writing"
         assert output_ids(c) == b_expected, "C hit B's cached blocks, overwritten by an abandoned read"
-        assert _stats(hosts.d).settled_loads > settled_before, "the failed load did not settle (was it failed at all?)"
+        assert _stats(hosts.d, d).settled_loads > settled_before, "the failed load did not settle (was it failed at all?)"

@@ -106,3 +106,37 @@ def test_stop_all_shuts_groups_down_side_by_side(tmp_path: Path) -> None:
     stop_all(procs)
     assert time.monotonic() - t0 < 2.5
     assert [proc.returncode for proc in procs] == [0, 0, 0]
+
+
+def test_ready_cpus_pins_every_thread_of_the_group_once_ready_not_before(tmp_path: Path) -> None:
+    """A TP server's start-up runs on every core; once ready, its API server, engine and workers (each
+    with threads) run on its cores only."""
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    server = _stand_in("pinned", 0.5, tmp_path)
+    server.ready_cpus = {min(allowed)}
+    # the stand-in starts a child (a worker: same process group) and a thread of its own first
+    spawn = """
+import os, subprocess, sys, threading, time
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("affinity", sorted(os.sched_getaffinity(0)), flush=True)
+"""
+    server.argv[2] = spawn + "\n" + _HEALTH_AFTER
+    with running(server):
+        assert f"affinity {sorted(allowed)}" in server.log_tail(5), "pinned before it was ready"
+        pids = server.group_pids()
+        assert len(pids) >= 2, pids
+        threads = {(pid, int(t)) for pid in pids for t in os.listdir(f"/proc/{pid}/task")}
+        assert len(threads) >= 3, threads
+        assert {tid: os.sched_getaffinity(tid) for _, tid in threads} == {tid: {min(allowed)} for _, tid in threads}
+
+
+def test_a_cpu_list_reads_as_taskset_reads_it() -> None:
+    from kvc_testing.procs import _cpu_list
+
+    assert _cpu_list("0") == {0} and _cpu_list("0,2") == {0, 2} and _cpu_list("0-3,8") == {0, 1, 2, 3, 8}
+    for bad in ("", "a", "1-x"):
+        with pytest.raises(ValueError, match="not a CPU list"):
+            _cpu_list(bad)
