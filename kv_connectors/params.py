@@ -59,8 +59,8 @@ class RemotePrefill:
     remote_port: int
     remote_num_tokens: int | None
     transfer_id: str | None = None
-    # P's tensor-parallel size when the params state it (P rank r listens on remote_port + r);
-    # None in the transfer-id flow: the handshake with each rank checks it then.
+    # P's tensor-parallel size when the params state it (P's rank 0 at remote_port names the others'
+    # ports); None in the transfer-id flow: the handshake with each rank checks it then.
     remote_tp_size: int | None = None
     remote_block_size: int | None = None  # P's tokens per block, when the params state it
     remote_prompt_digest: str | None = None  # prompt_digest of P's prompt, when the params state it

@@ -231,3 +231,60 @@ def test_the_readme_figures_are_quoted_from_the_benchmarks_page() -> None:
         figures = re.findall(r"\b\d+\.\d+\b", bullet[: dated.start()])
         assert figures and all(f in row for f in figures), (figures, row)
         assert "of the built-in" in bullet  # the baseline: the tuned built-in, named above the list
+
+
+# Facts the docs state ---------------------------------------------------------------------------
+# The pages that say what the code does now (the changelog and the history say what it did).
+CURRENT = sorted(p for p in {*DOCS, ROOT / "ARCHITECTURE.md"} if p.name not in ("CHANGELOG.md", "history.md"))
+PATH_NAMED = re.compile(r"(?<![\w/.-])((?:kv_connectors|kvc_testing|benchmarks|tests|examples)/[\w/.-]*\.py)\b")
+MODULE_NAMED = re.compile(r"`(kv_connectors(?:\.\w+)+)`")
+# Tensor-parallel rank r listens at side_channel_port + r only in the "rank" layout (config.PortLayout;
+# by default rank 0 names the others' ports): such a statement names that layout, or is about
+# data-parallel engines (port + d, the proxy's PORT + rank).
+PORT_PLUS_RANK = re.compile(r"(?:side_channel_port|remote_port|PORT)`?\s*\+\s*(?:r|rank)\b")
+LAYOUT_NAMED = ("side_channel_ports", "PortLayout", "data-parallel", "data parallel")
+
+
+def _paragraphs(text: str) -> list[str]:
+    """Blank-line separated blocks; a table's rows each their own."""
+    out: list[str] = []
+    for block in re.split(r"\n\s*\n", text):
+        rows = block.splitlines()
+        out += rows if rows and all(r.lstrip().startswith("|") for r in rows) else [block]
+    return out
+
+
+def port_plus_rank_without_its_layout(text: str) -> list[str]:
+    return [p.strip()[:160] for p in _paragraphs(text) if PORT_PLUS_RANK.search(p) and not any(w in p for w in LAYOUT_NAMED)]
+
+
+def test_every_module_path_the_docs_name_exists() -> None:
+    missing = [(_rel(doc), m) for doc in CURRENT for m in PATH_NAMED.findall(doc.read_text()) if not (ROOT / m).exists()]
+    assert not missing, missing
+    for doc in CURRENT:
+        for name in MODULE_NAMED.findall(doc.read_text()):
+            assert _names_something(name), f"{_rel(doc)}: `{name}` names no module, nor a name defined in one"
+    assert _names_something("kv_connectors.config.PortLayout") and _names_something("kv_connectors.nixl")
+    assert not _names_something("kv_connectors.config.PortLayouts") and not _names_something("kv_connectors.nixl_old")
+
+
+def _names_something(dotted: str) -> bool:
+    """A module of the package, or a top-level name (def, class, assignment) of one."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        base = ROOT / Path(*parts[:i])
+        source = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+        if source.exists():
+            rest = parts[i:]
+            if not rest:
+                return True
+            pattern = rf"^(?:(?:async )?def|class) {rest[0]}\b|^{rest[0]}\s*[:=]|^from \S+ import .*\b{rest[0]}\b"
+            return len(rest) <= 2 and re.search(pattern, source.read_text(), re.M) is not None
+    return False
+
+
+def test_a_port_per_tensor_parallel_rank_is_stated_with_the_layout_that_has_it() -> None:
+    wrong = {_rel(doc): port_plus_rank_without_its_layout(doc.read_text()) for doc in CURRENT}
+    assert not {k: v for k, v in wrong.items() if v}, wrong
+    planted = "- Tensor parallelism: every worker rank runs its own engine (side channel at\n  `side_channel_port + rank`)."
+    assert port_plus_rank_without_its_layout(planted), "the check lets the old false statement through"
