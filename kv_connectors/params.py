@@ -74,7 +74,7 @@ class RemotePrefill:
 
     @property
     def peer_key(self) -> ProducerAddress:
-        return (self.remote_engine_id, self.remote_host, self.remote_port)
+        return ProducerAddress(self.remote_engine_id, self.remote_host, self.remote_port)
 
     @property
     def push_only(self) -> bool:

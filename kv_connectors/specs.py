@@ -5,11 +5,22 @@ The vLLM adapter's ConnectorMetadata is this plus vLLM's KVConnectorMetadata bas
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from kv_connectors.plan import TokenRange
 
-# A producer rank's side channel: (engine id, or "" for whichever answers there; host; port).
-ProducerAddress = tuple[str, str, int]
+
+class ProducerAddress(NamedTuple):
+    """A producer rank's side channel: its engine id ("" for whichever answers there), host, port."""
+
+    engine_id: str
+    host: str
+    port: int
+
+    @property
+    def where(self) -> tuple[str, int]:
+        """The address alone: one lane to whichever engine answers there."""
+        return (self.host, self.port)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,8 +229,18 @@ class ClaimRequest(msgspec.Struct, frozen=True, tag="claim"):
     consumer_rank: int = 0  # D's tensor-parallel rank: each rank reading P's blocks claims them
 
 
+class ClaimResult(enum.Enum):
+    """P's answer to a consumer that is about to read (or has just read) a lease's blocks: a ClaimReply
+    carries each as its value."""
+
+    GRANTED = "granted"  # live: held for the consumer until its claim deadline
+    PENDING = "pending"  # not known yet (P's worker has not stepped since the prefill finished): ask again
+    GONE = "gone"  # expired or released: the blocks may hold another prompt's KV now
+    MISMATCH = "mismatch"  # the lease does not hold the blocks the consumer names
+
+
 class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
-    results: list[str]  # state.ClaimResult values, one per item, in order
+    results: list[str]  # ClaimResult values, one per item, in order
     reasons: list[str]
     hold_s: float  # how long from P's receipt a granted claim holds the blocks
     epoch: str = ""  # the producer's: differs from the handshake's when it restarted since

@@ -140,14 +140,15 @@ class Producers:
             peer.answered_at = peer.answered_at or peer.taken_at
             try:
                 reply = future.result()
-                if not isinstance(reply, wire.HandshakeReply) or (key[0] and reply.engine_id != key[0]):
+                if not isinstance(reply, wire.HandshakeReply) or (key.engine_id and reply.engine_id != key.engine_id):
                     raise KVConnectorError(
-                        f"side channel {key[1]}:{key[2]} answered for engine {getattr(reply, 'engine_id', '?')}, expected {key[0]}"
+                        f"side channel {key.host}:{key.port} answered for engine {getattr(reply, 'engine_id', '?')}, "
+                        f"expected {key.engine_id}"
                     )
                 expected = self._expected.get(key, (self._rank, self._tp_size))
                 if (reply.rank, reply.tp_size) != expected:
                     raise KVConnectorError(
-                        f"side channel {key[1]}:{key[2]} is rank {reply.rank} of tensor_parallel_size {reply.tp_size}; "
+                        f"side channel {key.host}:{key.port} is rank {reply.rank} of tensor_parallel_size {reply.tp_size}; "
                         f"this decode rank {self._rank} of {self._tp_size} expected the prefill's rank {expected[0]} "
                         f"of {expected[1]} there"
                     )
@@ -157,17 +158,17 @@ class Producers:
                 peer.connected_at = self._clock()
                 logger.info(
                     "connected to producer %s at %s:%d (%s)",
-                    key[0],
-                    key[1],
-                    key[2],
+                    key.engine_id,
+                    key.host,
+                    key.port,
                     " ".join(f"{part}_ms={s * 1e3:.1f}" for part, s in peer.waits().items()),
                 )
                 for other_key, other in self._peers.items():  # another process answered there before: gone
-                    if other_key[1:] == key[1:] and other is not peer and other.agent_name != reply.agent_name:
-                        other.error = other.error or f"replaced by {reply.agent_name} at {key[1]}:{key[2]}"
+                    if other_key.where == key.where and other is not peer and other.agent_name != reply.agent_name:
+                        other.error = other.error or f"replaced by {reply.agent_name} at {key.host}:{key.port}"
             except Exception as e:  # boundary: a failed handshake fails requests, never the step
                 peer.error = str(e)
-                logger.error("handshake with %s at %s:%d failed: %s", key[0], key[1], key[2], e)
+                logger.error("handshake with %s at %s:%d failed: %s", key.engine_id, key.host, key.port, e)
 
     def _peer_words(self, reply: wire.HandshakeReply, layout: KVLayout) -> KVLayout | None:
         """The producer's lease words as a layout, if it has them, we read them, and the address
@@ -186,8 +187,8 @@ class Producers:
         for key in [key for key, peer in self._peers.items() if peer.error is not None and not named(key)]:
             gone = self._peers.pop(key)
             self._expected.pop(key, None)
-            if not any(k[1:] == key[1:] for k in self._peers):  # the address's lane serves nobody else
-                self._client.forget(key[1], key[2])
+            if not any(k.where == key.where for k in self._peers):  # the address's lane serves nobody else
+                self._client.forget(key.host, key.port)
             if gone.agent_name and all(p.agent_name != gone.agent_name for p in self._peers.values()):
                 try:
                     self._transport.disconnect(gone.agent_name)

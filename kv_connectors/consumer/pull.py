@@ -23,9 +23,9 @@ from kv_connectors.errors import KVConnectorError
 from kv_connectors.fence import LeaseWords, lease_word
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TransferPlan, plan_blocks
-from kv_connectors.producer.leases import ClaimResult
 from kv_connectors.specs import ProducerAddress
 from kv_connectors.transports.base import Transport, XferState
+from kv_connectors.wire import ClaimResult
 
 logger = logging.getLogger(__name__)
 

@@ -157,8 +157,8 @@ class PushLoads:
                 "request %s: the producer at %s:%d has not confirmed that its write into our blocks ended "
                 "(%.0f s): the blocks stay held until it does, restarts or is gone",
                 task.request,
-                task.peer_key[1],
-                task.peer_key[2],
+                task.peer_key.host,
+                task.peer_key.port,
                 now - settle.since,
             )
         if push.abort is None:
@@ -197,13 +197,13 @@ class PushLoads:
             push.abort_at = now + retry
 
     def _ask_gone(self, task: RecvTask) -> None:
-        where = task.peer_key[1:]
+        where = task.peer_key.where
         if where not in self._gone:
             self._gone[where] = self._client.listening(*where)
 
     def _producer_gone(self, task: RecvTask) -> bool:
         """P's side channel refuses connections: its process is gone, and its writes with it."""
-        where = task.peer_key[1:]
+        where = task.peer_key.where
         probe = self._gone.get(where)
         if probe is None or not probe.done():
             return False

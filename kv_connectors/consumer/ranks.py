@@ -29,8 +29,7 @@ _Where = tuple[str, int]  # a producer instance's side channel: its rank 0's (ho
 
 def rank_key(peer_key: ProducerAddress, p_rank: int) -> ProducerAddress:
     """P rank p_rank's side channel where P did not name its ranks (an older version): port + r."""
-    engine, host, port = peer_key
-    return (engine, host, port + p_rank)
+    return peer_key._replace(port=peer_key.port + p_rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +52,8 @@ class ProducerRanks:
         if p_rank == 0 or not self.addresses:
             return rank_key(peer_key, p_rank)
         if p_rank >= len(self.addresses):
-            raise TransferParamsError(f"the producer at {peer_key[1]}:{peer_key[2]} has no rank {p_rank}")
-        return (peer_key[0], *self.addresses[p_rank])
+            raise TransferParamsError(f"the producer at {peer_key.host}:{peer_key.port} has no rank {p_rank}")
+        return ProducerAddress(peer_key.engine_id, *self.addresses[p_rank])
 
 
 class Ranks:
@@ -136,12 +135,12 @@ class Ranks:
 
     def _fail_load(self, rid: str, reason: FailReason, message: str) -> None:
         """A load that fails before it reaches any producer: reported failed at the next results."""
-        task = RecvTask(rid, RecvSpec(("", "", 0), "", (), ()), self._clock())
+        task = RecvTask(rid, RecvSpec(ProducerAddress("", "", 0), "", (), ()), self._clock())
         task.fail(reason, message)
         self._receiver.add(task)
 
     def _fresh(self, peer_key: ProducerAddress) -> ProducerRanks | None:
-        known = self._known.get(peer_key[1:])
+        known = self._known.get(peer_key.where)
         return known if known is not None and self._clock() - known.asked_at < _P_RANKS_TTL_S else None
 
     def _known_tp(self, peer_key: ProducerAddress) -> int | None:
@@ -154,7 +153,7 @@ class Ranks:
             return peer_key
         known = self._fresh(peer_key)
         if known is None:
-            raise KVConnectorError(f"the producer at {peer_key[1]}:{peer_key[2]} did not say where its rank {p_rank} is")
+            raise KVConnectorError(f"the producer at {peer_key.host}:{peer_key.port} did not say where its rank {p_rank} is")
         return known.key(peer_key, p_rank)
 
     def _needs_asking(self, peer_key: ProducerAddress, p_tp: int | None, *, must_know_tp: bool) -> bool:
@@ -175,7 +174,7 @@ class Ranks:
             return False  # refused when the load is added
 
     def _ask(self, peer_key: ProducerAddress) -> None:
-        where = peer_key[1:]
+        where = peer_key.where
         if where not in self._probes:
             timeout = self._cfg.handshake_timeout_s
             self._probes[where] = (self._client.submit(*where, wire.StatsRequest(), "", timeout), self._clock() + timeout)
@@ -198,7 +197,7 @@ class Ranks:
                 logger.error("could not ask the producer at %s:%d its tensor-parallel ranks: %s", *where, e)
         waiting, self._deferred = self._deferred, []
         for rid, spec in waiting:
-            where = spec.peer_key[1:]
+            where = spec.peer_key.where
             if where in self._probes:
                 self._deferred.append((rid, spec))
             elif (known := self._fresh(spec.peer_key)) is not None:
@@ -231,7 +230,7 @@ class Ranks:
                 _limited.warning("release", "request %s: cannot tell the producer to free its blocks: %s", rid, e)
             return
         if spec.report:
-            self._loads[rid] = spec.peer_key[1:]
+            self._loads[rid] = spec.peer_key.where
         for (sub, (p_rank, src_tp)), peer in zip(sources, peers):
             self._receiver.add(
                 RecvTask(

@@ -241,8 +241,8 @@ class Receiver:
                 "request %s: its failed transfer from %s:%d has not ended after %.0f s; its blocks stay held "
                 "until the transport says no byte of it can land",
                 task.request,
-                task.peer_key[1],
-                task.peer_key[2],
+                task.peer_key.host,
+                task.peer_key.port,
                 now - settle.since,
             )
 

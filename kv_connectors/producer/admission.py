@@ -15,7 +15,8 @@ from kv_connectors.config import ConnectorConfig
 from kv_connectors.errors import KVConnectorError, TransferParamsError
 from kv_connectors.groups import MAX_GROUPS
 from kv_connectors.layout import KVLayout
-from kv_connectors.producer.leases import ClaimResult, SendLeases
+from kv_connectors.producer.leases import SendLeases
+from kv_connectors.wire import ClaimResult
 
 logger = logging.getLogger(__name__)
 

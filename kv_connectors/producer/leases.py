@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from kv_connectors.counters import DURATIONS_CAP
 from kv_connectors.fence import LeaseWords, lease_word
+from kv_connectors.wire import ClaimResult
 
 # How long a D notification may precede the P worker learning of the request (seconds).
 _EARLY_NOTICE_TTL_S = 600.0
@@ -47,15 +47,6 @@ class _Lease:
     # A consumer is done with it but writes from its blocks are still in flight: it ends (and its
     # request is reported finished) once they settle.
     release_pending: bool = False
-
-
-class ClaimResult(enum.Enum):
-    """P's answer to a consumer that is about to read (or has just read) a lease's blocks."""
-
-    GRANTED = "granted"  # live: held for the consumer until its claim deadline
-    PENDING = "pending"  # not known yet (P's worker has not stepped since the prefill finished): ask again
-    GONE = "gone"  # expired or released: the blocks may hold another prompt's KV now
-    MISMATCH = "mismatch"  # the lease does not hold the blocks the consumer names
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,7 +117,7 @@ class Sender:
     def cancel(self, key: str, reason: str) -> None:
         """P's request ended without KV for D: fail D's push now (after writes in flight settle)."""
         now = self._clock()
-        waiting = [wk for wk in self._waiting if wk[0] == key]
+        waiting = [wk for wk in self._waiting if wk.lease == key]
         for wk in waiting:
             self.writes.finish(self._waiting.pop(wk), reason)
         self.writes.cancel(key, reason)
@@ -150,17 +150,17 @@ class Sender:
             try:
                 self._advance_waiting(wk, write, now)
             except Exception as e:  # boundary: a bug or a peer's bad request fails that push, never the step
-                logger.exception("push of %s: unexpected error", wk[0])
+                logger.exception("push of %s: unexpected error", wk.lease)
                 self._waiting.pop(wk, None)
                 self.writes.finish(write, f"internal error: {type(e).__name__}: {e}")
         self.writes.poll(now)
         for key in [k for k, (_r, t) in self._cancelled.items() if now - t > _CANCEL_TTL_S]:
             del self._cancelled[key]
         if self.consumers.retiring:
-            self.consumers.retire({wk[1] for wk in self._waiting} | self.writes.agents())
+            self.consumers.retire({wk.agent for wk in self._waiting} | self.writes.agents())
 
     def _advance_waiting(self, wk: WriteKey, write: Write, now: float) -> None:
-        key = wk[0]
+        key = wk.lease
         if self.book.aborted(write.request):  # D gave up on it before it could be written
             del self._waiting[wk]
             self.writes.failures += 1
@@ -207,7 +207,7 @@ class Sender:
         elif key in self._cancelled:
             self.writes.finish(Write(req, now), self._cancelled[key][0])
         else:
-            wk = (key, req.consumer_agent, req.consumer_request_id)
+            wk = WriteKey(key, req.consumer_agent, req.consumer_request_id)
             if (dup := self._waiting.pop(wk, None)) is not None:
                 self.writes.finish(dup, "the consumer asked again for the same request")
             consumer = self.consumers.layout(req.consumer_agent)
@@ -235,7 +235,7 @@ class Sender:
         self.leases.notice(key, now, reader(engine, rank), engine, self.consumers.readers_of(engine))
 
     def _post(self, wk: WriteKey, write: Write) -> None:
-        key, req = wk[0], write.request
+        key, req = wk.lease, write.request
         own = self.leases.block_ids(key)
         assert own is not None
         if (why := other_prompt_reason(req, self.leases.prompt_digest(key))) is not None:
@@ -251,7 +251,7 @@ class Sender:
         now = self._clock()
         self._drain_inbox(now)
         for spec in reqs.values():
-            for wk in [wk for wk in self._waiting if wk[0] == spec.key]:  # D not here yet: pushed whole later
+            for wk in [wk for wk in self._waiting if wk.lease == spec.key]:  # D not here yet: pushed whole later
                 write = self._waiting[wk]
                 dst = self._check(write, spec.block_ids)
                 if isinstance(dst, str) or other_prompt_reason(write.request, spec.prompt_digest) is not None:

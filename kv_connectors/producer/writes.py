@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kv_connectors import wire
 from kv_connectors.config import ConnectorConfig
@@ -28,9 +28,16 @@ ABORTED = "the consumer aborted the push request"
 # The device has run the kernels queued before the signal was made (a CUDA event's query(), from the
 # adapter): on a GPU a layer's KV is in the cache only once its kernels ran, not when its hook returned.
 Ready = Callable[[], bool]
-# (the lease key D names the blocks by, the consumer rank's agent, its request there): two D
-# requests for one lease (a router's duplicate) are two writes, each answered.
-WriteKey = tuple[str, str, str]
+
+
+class WriteKey(NamedTuple):
+    """One push: two D requests for one lease (a router's duplicate) are two writes, each answered."""
+
+    lease: str  # the lease key D names the blocks by
+    agent: str  # the consumer rank's agent
+    request: str  # its request there
+
+
 # A consumer rank is done with a lease: (key, D's engine id, its rank, now).
 ReaderDone = Callable[[str, str, int, float], None]
 
@@ -132,11 +139,11 @@ class Writes:
 
     def from_key(self, key: str) -> bool:
         """A write from the blocks held under key is in flight (or follows this step's forward pass)."""
-        return any(wk[0] == key for wk in self._writing) or any(wk[0] == key for wk in self._layerwise)
+        return any(wk.lease == key for wk in self._writing) or any(wk.lease == key for wk in self._layerwise)
 
     def agents(self) -> set[str]:
         """Consumer agents with a write in flight."""
-        return {wk[1] for wk in (*self._writing, *self._layerwise)}
+        return {wk.agent for wk in (*self._writing, *self._layerwise)}
 
     def busy(self) -> bool:
         return bool(self._writing or self._layerwise)
@@ -164,7 +171,7 @@ class Writes:
                 raise
         except Exception as e:  # KVConnectorError, or a peer's layout/ids the planner cannot use
             self.finish(write, f"write failed: {e}")
-            self._reader_done(wk[0], req.consumer_engine_id, req.consumer_rank, self._clock())
+            self._reader_done(wk.lease, req.consumer_engine_id, req.consumer_rank, self._clock())
             return
         write.posted_at = self._clock()
         self._writing[wk] = write  # its blocks are held until it settles (SendLeases: writing)
@@ -200,7 +207,7 @@ class Writes:
     def cancel(self, key: str, reason: str) -> None:
         """P's request under key ended without KV for D: its layer-wise writes stop (their handles
         settle in poll, which then tells D)."""
-        for wk in [wk for wk in self._layerwise if wk[0] == key]:
+        for wk in [wk for wk in self._layerwise if wk.lease == key]:
             write = self._writing[wk] = self._layerwise.pop(wk)
             write.error = reason
             write.regions_left.clear()
@@ -285,7 +292,7 @@ class Writes:
         del self._writing[wk]
         req = write.request
         self._book.end(req)
-        self._reader_done(wk[0], req.consumer_engine_id, req.consumer_rank, now)  # written or failed: free either way
+        self._reader_done(wk.lease, req.consumer_engine_id, req.consumer_rank, now)  # written or failed: free either way
         if write.error:
             self.finish(write, write.error)
             return

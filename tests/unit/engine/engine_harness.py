@@ -13,7 +13,7 @@ import numpy as np
 from kv_connectors import wire
 from kv_connectors.config import parse_config
 from kv_connectors.layout import token_major
-from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
 from kv_connectors.tp import rank_heads
 from kv_connectors.transports.memory import MemoryClient, MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.transports.staging import StagedTransport
@@ -273,7 +273,11 @@ class Cluster:
     # D's side -----------------------------------------------------------------------------------
     @staticmethod
     def recv(node: Node, rid: str, remote_rid: str, local: tuple[int, ...], remote: tuple[int, ...], report: bool = True) -> None:
-        node.step(StepMetadata(reqs_to_recv={rid: RecvSpec(("P", "127.0.0.1", P_PORT), remote_rid, local, remote, report=report)}))
+        node.step(
+            StepMetadata(
+                reqs_to_recv={rid: RecvSpec(ProducerAddress("P", "127.0.0.1", P_PORT), remote_rid, local, remote, report=report)}
+            )
+        )
 
     def run(self, steps: int = 5, dt: float = 0.001, nodes: tuple[Node, ...] | None = None, idle: bool = False) -> None:
         for _ in range(steps):

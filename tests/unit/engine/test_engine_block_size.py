@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kv_connectors.plan import TokenRange
-from kv_connectors.specs import RecvSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
 from tests.unit.engine.engine_harness import CELL_WORDS, NUM_BLOCKS, P_PORT, Cluster, Node
 
-PEER = ("P", "127.0.0.1", P_PORT)
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
 HEADS = 2
 N = 13  # prompt tokens: P's and D's last blocks are partial
 

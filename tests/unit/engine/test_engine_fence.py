@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from kv_connectors import wire
-from kv_connectors.producer.leases import ClaimResult, SendLeases
+from kv_connectors.producer.leases import SendLeases
+from kv_connectors.specs import ProducerAddress
+from kv_connectors.wire import ClaimResult
 from tests.unit.engine.engine_harness import CLAIM_ONLY, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
@@ -195,7 +197,7 @@ def test_heartbeats_keep_the_lease_of_a_request_queued_on_d():
 
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
-    peer = ("P", "127.0.0.1", P_PORT)
+    peer = ProducerAddress("P", "127.0.0.1", P_PORT)
     c.d.step(StepMetadata(renew_start={"d1": (peer, "r1", None)}))  # D's scheduler: d1 still queued
     for _ in range(40):  # 20 s queued: 4x P's 5 s lease
         c.run(1, dt=0.5)
@@ -212,7 +214,7 @@ def test_a_d_that_stops_renewing_loses_the_lease():
 
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
-    c.d.step(StepMetadata(renew_start={"d1": (("P", "127.0.0.1", P_PORT), "r1", None)}))
+    c.d.step(StepMetadata(renew_start={"d1": (ProducerAddress("P", "127.0.0.1", P_PORT), "r1", None)}))
     c.run(4, dt=0.5)
     c.d.step(StepMetadata(renew_stop={"d1"}))  # e.g. D's request was aborted
     renewals = len([m for m in c.fabric.requests if isinstance(m, wire.RenewRequest)])

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
 from tests.unit.engine.engine_harness import P_PORT, Cluster
 
-PEER = ("P", "127.0.0.1", P_PORT)
-ANY_P = ("", "127.0.0.1", P_PORT)
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
+ANY_P = ProducerAddress("", "127.0.0.1", P_PORT)
 # P holds a sliding window's 3 blocks and a full group's 4; D needs the window's last 2 and all 4.
 P_GROUPS = ((9, 10, 11), (1, 2, 3, 4))
 D_GROUPS = ((12, 13), (5, 6, 7, 8))

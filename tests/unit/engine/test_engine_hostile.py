@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 
 from kv_connectors import wire
-from kv_connectors.specs import RecvSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
 from tests.unit.engine.engine_harness import D_PORT, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
@@ -126,7 +126,7 @@ def test_producers_named_by_failed_requests_are_forgotten():
     leave no entry (nor a side-channel thread) behind once they failed."""
     c = Cluster()
     for i in range(500):
-        peer = (f"E{i}", "10.0.0.1", 20000 + i)
+        peer = ProducerAddress(f"E{i}", "10.0.0.1", 20000 + i)
         c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec(peer, "x", (5,), (1,), remote_tp_size=1)}))
     c.run(5)
     assert len(c.d.failed_recving) == 500

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from kv_connectors import wire
-from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
 from tests.unit.engine.engine_harness import CLAIM_ONLY, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
-PEER = ("P", "127.0.0.1", P_PORT)
-ANY_P = ("", "127.0.0.1", P_PORT)  # the transfer-id flow may not name P's engine
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
+ANY_P = ProducerAddress("", "127.0.0.1", P_PORT)  # the transfer-id flow may not name P's engine
 
 
 def _loaded(c: Cluster) -> bool:

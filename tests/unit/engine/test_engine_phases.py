@@ -16,7 +16,7 @@ from kv_connectors.config import parse_config
 from kv_connectors.consumer.tasks import RecvKind
 from kv_connectors.errors import TransportError
 from kv_connectors.producer.leases import SendLeases
-from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
 from kv_connectors.transports.base import MemoryKind
 from kv_connectors.transports.memory import MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.worker import WorkerEngine
@@ -24,8 +24,8 @@ from tests.unit.engine.engine_harness import BLOCK_SIZE, BLOCK_WORDS, CLAIM_ONLY
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
-PEER = ("P", "127.0.0.1", P_PORT)
-ANY_P = ("", "127.0.0.1", P_PORT)
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
+ANY_P = ProducerAddress("", "127.0.0.1", P_PORT)
 P_SIDE_CHANNEL = f"127.0.0.1:{P_PORT}"
 
 
@@ -107,7 +107,7 @@ def test_a_different_engine_at_the_producers_address_fails_the_load():
     a port reused): D reads nothing and fails the request."""
     c = Cluster()
     c.prefill_done("r1", P_BLOCKS)
-    _recv(c.d, "d1", RecvSpec(("P-old", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS))
+    _recv(c.d, "d1", RecvSpec(ProducerAddress("P-old", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS))
     c.run()
     assert c.d.failed_recving == {"d1"} and c.d.transport.posted == 0 and _untouched(c)
 

@@ -10,13 +10,13 @@ import pytest
 from kv_connectors import wire
 from kv_connectors.consumer.ranks import ProducerRanks
 from kv_connectors.errors import KVConnectorError, PeerDisconnectedError
-from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
 from kv_connectors.transports.memory import MemoryFabric, MemoryTransport
 from tests.unit.engine.engine_harness import P_PORT, Cluster, Node
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
-PEER = ("P", "127.0.0.1", P_PORT)
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
 
 
 # a producer's answer ----------------------------------------------------------------------------

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from kv_connectors import wire
-from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
 from tests.unit.engine.engine_harness import CLAIM_ONLY, D2_PORT, D_PORT, P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
-ANY_P = ("", "127.0.0.1", P_PORT)  # transfer-id flow: P's engine id not named
-PEER = ("P", "127.0.0.1", P_PORT)
+ANY_P = ProducerAddress("", "127.0.0.1", P_PORT)  # transfer-id flow: P's engine id not named
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
 
 
 def _restart_p(c: Cluster) -> None:
@@ -175,7 +175,11 @@ def test_d_keeps_one_producer_entry_for_a_prefill_that_restarted_twenty_times():
         c.p.transport.close()
         c.p = c._node(f"P{i}", "kv_producer", P_PORT, {"lease_s": 5, "transfer_timeout_s": 10}, fill=1.0)
         c.prefill_done(f"r{i}", P_BLOCKS)
-        c.d.step(StepMetadata(reqs_to_recv={f"d{i}": RecvSpec((f"P{i}", "127.0.0.1", P_PORT), f"r{i}", D_BLOCKS, P_BLOCKS)}))
+        c.d.step(
+            StepMetadata(
+                reqs_to_recv={f"d{i}": RecvSpec(ProducerAddress(f"P{i}", "127.0.0.1", P_PORT), f"r{i}", D_BLOCKS, P_BLOCKS)}
+            )
+        )
         c.run(6)
         assert f"d{i}" in c.d.finished_recving and not c.d.failed_recving
     assert len(c.d.engine.parts.receiver.producers._peers) == 1

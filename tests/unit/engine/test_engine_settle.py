@@ -14,13 +14,13 @@ import numpy as np
 
 from kv_connectors import wire
 from kv_connectors.errors import TransportError
-from kv_connectors.specs import RecvSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
 from tests.unit.engine.engine_harness import CLAIM_ONLY, P_PORT, Cluster, Node
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
-PEER = ("P", "127.0.0.1", P_PORT)
-ANY_P = ("", "127.0.0.1", P_PORT)
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
+ANY_P = ProducerAddress("", "127.0.0.1", P_PORT)
 MARK = 777.0  # another request's KV, written into the blocks vLLM reused
 STAGED = {"staging": "on", "staging_pool_kib": 2, "staging_chunk_kib": 1}
 

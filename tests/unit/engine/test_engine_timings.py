@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kv_connectors.counters import Phase
-from kv_connectors.specs import RecvSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
 from tests.unit.engine.engine_harness import P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
@@ -16,7 +16,7 @@ D_BLOCKS = (5, 6, 7)
 
 
 def _recv(c: Cluster, queued_s: float) -> None:
-    spec = RecvSpec(("P", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS, queued_s=queued_s)
+    spec = RecvSpec(ProducerAddress("P", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS, queued_s=queued_s)
     c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))
 
 
@@ -99,7 +99,7 @@ def test_a_load_that_waited_on_its_handshake_keeps_the_handshakes_parts(caplog: 
     c.d.transport.connect = slow_connect  # type: ignore[method-assign]
     assert isinstance(c.d.transport, MemoryTransport)
     with caplog.at_level(logging.INFO, logger="kv_connectors.consumer"):
-        spec = RecvSpec(("P", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS, remote_tp_size=1)
+        spec = RecvSpec(ProducerAddress("P", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS, remote_tp_size=1)
         c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))  # P's TP size known: the handshake goes at once
         c.clock.advance(0.3)  # the answer is 300 ms on its way
         assert c.d.client.deliver() == 1

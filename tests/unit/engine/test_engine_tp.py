@@ -9,12 +9,12 @@ import pytest
 
 from kv_connectors.params import TP_SIZE, parse_remote_prefill, producer_params
 from kv_connectors.plan import TokenRange
-from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
 from tests.unit.engine.engine_harness import CELL_WORDS, P_PORT, Cluster, Node
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
-PEER = ("P", "127.0.0.1", P_PORT)  # what D's scheduler names: P's rank 0 (its params' port)
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)  # what D's scheduler names: P's rank 0 (its params' port)
 
 
 def _tp2(mode: str = "pull") -> tuple[Cluster, list[Node], list[Node]]:
@@ -230,7 +230,7 @@ def test_releases_reach_every_prefill_rank_read_from():
 
 def _transfer_id_recv(ds: list[Node]) -> None:
     """The transfer-id flow: D knows P's side channel and the transfer id, not P's blocks or TP size."""
-    spec = RecvSpec(("", "127.0.0.1", P_PORT), "t1", D_BLOCKS, (), tokens=TokenRange(0, len(D_BLOCKS) * 4))
+    spec = RecvSpec(ProducerAddress("", "127.0.0.1", P_PORT), "t1", D_BLOCKS, (), tokens=TokenRange(0, len(D_BLOCKS) * 4))
     for d in ds:
         d.step(StepMetadata(reqs_to_recv={"d1": spec}))
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from kv_connectors.plan import TokenRange
-from kv_connectors.specs import RecvSpec, SendSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
 from tests.unit.engine.engine_harness import P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
-PEER = ("P", "127.0.0.1", P_PORT)
-ANY_P = ("", "127.0.0.1", P_PORT)  # the transfer-id flow may not name P's engine
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
+ANY_P = ProducerAddress("", "127.0.0.1", P_PORT)  # the transfer-id flow may not name P's engine
 REUSED = 555.0  # what another prompt writes into P's blocks once vLLM reused them
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kv_connectors.consumer.tasks import FailReason, RecvFailure, RecvKind, RecvPhase, RecvTask
-from kv_connectors.specs import RecvSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
 from tests.unit.engine.engine_harness import P_PORT, Cluster
 
 P_BLOCKS = (1, 2, 3)
 D_BLOCKS = (5, 6, 7)
-PEER = ("P", "127.0.0.1", P_PORT)
+PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
 
 
 @pytest.fixture

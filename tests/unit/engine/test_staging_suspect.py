@@ -18,7 +18,7 @@ import pytest
 
 from kv_connectors.errors import TransferTimeoutError
 from kv_connectors.plan import plan_transfer
-from kv_connectors.specs import RecvSpec, StepMetadata
+from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
 from kv_connectors.transports.base import XferState
 from kv_connectors.transports.memory import MemoryFabric, MemoryTransport, host_layout
 from kv_connectors.transports.staging import StagedTransport
@@ -278,7 +278,7 @@ def test_p_idles_once_a_stopped_staged_d_is_suspect_and_the_d_loads_correctly_wh
     c = Cluster(p_extra={**STAGED, "lease_s": 60}, d_extra={**STAGED, "transfer_timeout_s": 60})
     c.prefill_done("r1", P_BLOCKS)
     c.prefill_done("r2", P_BLOCKS)
-    c.d.step(StepMetadata(reqs_to_recv={"d1": RecvSpec(("P", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS)}))
+    c.d.step(StepMetadata(reqs_to_recv={"d1": RecvSpec(ProducerAddress("P", "127.0.0.1", P_PORT), "r1", D_BLOCKS, P_BLOCKS)}))
     staging = c.p.engine.parts.staging
     assert staging is not None
     for _ in range(10):  # until P holds a chunk it gathered for D
@@ -296,7 +296,7 @@ def test_p_idles_once_a_stopped_staged_d_is_suspect_and_the_d_loads_correctly_wh
     assert len(c.p.waits) - before == 50, "P's empty steps do not wait: its staging layer stays busy for the stopped D"
     assert staging.pool_stats()["quarantined_slots"] == 1 and staging.pool_stats()["suspect_peers"] == 1
     d2 = c.add_consumer(extra=STAGED)  # another D loads meanwhile, through P's other slot
-    d2.step(StepMetadata(reqs_to_recv={"e1": RecvSpec(("P", "127.0.0.1", P_PORT), "r2", D_BLOCKS, P_BLOCKS)}))
+    d2.step(StepMetadata(reqs_to_recv={"e1": RecvSpec(ProducerAddress("P", "127.0.0.1", P_PORT), "r2", D_BLOCKS, P_BLOCKS)}))
     c.run(60, nodes=(d2, c.p))
     assert d2.finished_recving == {"e1"} and not d2.failed_recving
     assert all(np.array_equal(d2.block(d), c.p.block(p)) for p, d in zip(P_BLOCKS, D_BLOCKS))

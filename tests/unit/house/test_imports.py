@@ -24,7 +24,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3] / "kv_connectors"
-PURE = {
+# The core's pure modules at the top of the package; every module of the two wings (consumer/,
+# producer/) is pure too, whatever it is called (_pure() adds them from the folders).
+PURE_CORE = {
     "errors",
     "config",
     "layout",
@@ -38,22 +40,20 @@ PURE = {
     "specs",
     "sidechannel",
     "logutil",
+    "fence",
+    "modelgroups",
     "transports.base",
-    "consumer",
-    "consumer.tasks",
-    "consumer.producers",
-    "consumer.pull",
-    "consumer.push",
-    "consumer.receiver",
-    "consumer.renewer",
-    "producer",
-    "producer.leases",
-    "producer.admission",
-    "producer.sender",
     "worker",
     "transports",
     "transports.memory",
 }
+WINGS = ("consumer", "producer")
+
+
+def _pure(modules: dict[str, Path]) -> set[str]:
+    return PURE_CORE | {m for m in modules if _under(m, WINGS)}
+
+
 FACES = ("nixl", "mooncake")  # the module paths users write in kv_connector_module_path: each backend's package
 BACKENDS = FACES  # the backend folders: the face (package __init__) and its transport modules
 ABOVE_TRANSPORTS = (
@@ -168,7 +168,9 @@ def test_only_the_adapter_imports_vllm():
 
 def test_the_core_and_engine_are_pure():
     modules = _modules()
-    for m in PURE:
+    pure = _pure(modules)
+    assert {"consumer.ranks", "producer.writes", "producer.consumers"} <= pure
+    for m in pure:
         names = _imports(modules[m], module_level_only=False)
         bad = {n for n in names if n.split(".")[0] in ("vllm", "torch", "nixl", "mooncake")}
         bad |= {
@@ -324,3 +326,14 @@ def test_no_test_module_imports_another_and_support_imports_no_test():
             assert not tests, f"{where} imports the test module(s) {tests}"
         else:
             assert not [n for n in names if n.split(".")[0] == "tests"], f"{where} imports from tests/"
+
+
+def test_the_two_wings_stand_on_one_floor():
+    """D's wing (consumer/) and P's (producer/) import nothing of each other: what both speak (a
+    claim's result, the addresses) lives on the floor below them (wire, specs)."""
+    modules = _modules()
+    for m, path in modules.items():
+        for wing, other in (("consumer", "producer"), ("producer", "consumer")):
+            if _under(m, (wing,)):
+                crossing = {o for o in _ours(_imports(path, module_level_only=False), modules) if _under(o, (other,))}
+                assert not crossing, f"kv_connectors.{m} imports {sorted(crossing)}"
