@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kv_connectors.specs import ProducerAddress, RecvSpec, SendSpec, StepMetadata
-from tests.unit.engine.engine_harness import P_PORT, Cluster
+from tests.unit.engine.engine_harness import CELL_WORDS, P_PORT, Cluster
 
 PEER = ProducerAddress("P", "127.0.0.1", P_PORT)
 ANY_P = ProducerAddress("", "127.0.0.1", P_PORT)
@@ -24,6 +24,12 @@ def _flat(groups) -> tuple[int, ...]:
 
 def _sizes(groups) -> tuple[int, ...]:
     return tuple(len(g) for g in groups)
+
+
+def _heads(node, block: int, first_head: int) -> dict[int, np.ndarray]:
+    """Global head -> that head's words in a block (both regions)."""
+    b = node.kv[:, block, :].reshape(2, -1, 4 * CELL_WORDS)
+    return {first_head + h: b[:, h].copy() for h in range(b.shape[1])}
 
 
 def _hybrid_prefill(c: Cluster, key: str) -> None:
@@ -72,3 +78,23 @@ def test_a_push_p_cannot_pair_group_by_group_fails_and_writes_nothing(d_groups, 
     assert c.d.failed_recving == {"d1"} and c.p.engine.stats.push_failures == 1
     assert all(np.array_equal(c.d.block(b), v) for b, v in before.items()), "a block was written"
     assert why in caplog.text
+
+
+def test_p_at_tp2_writes_each_group_into_a_tp1_decode_each_rank_its_head():
+    """A hybrid between TP sizes (P 2, D 1), D pushing: each P rank pairs its groups with D's from
+    each tail and writes its one KV head into D's blocks; D holds head 0 from P rank 0 and head 1
+    from P rank 1 in every paired block of both groups, reported once."""
+    c = Cluster(p_tp=2, heads=2, d_extra={"mode": "push"})
+    p1 = c.add_rank("kv_producer", 1, 2, fill=1.0)
+    p1.kv += 100  # P rank 1's head recognisable
+    for p in (c.p, p1):
+        p.step(StepMetadata(reqs_to_send={"p-req": SendSpec(_flat(P_GROUPS), "p-req", group_sizes=_sizes(P_GROUPS))}))
+    spec = RecvSpec(PEER, "p-req", _flat(D_GROUPS), (), group_sizes=_sizes(D_GROUPS), remote_tp_size=2)
+    c.d.step(StepMetadata(reqs_to_recv={"d1": spec}))
+    c.run(steps=20, nodes=(c.d, c.p, p1))
+    assert c.d.recv_reports == ["d1"] and not c.d.failed_recving
+    for p_block, d_block in PAIRS:
+        got = _heads(c.d, d_block, 0)
+        assert np.array_equal(got[0], _heads(c.p, p_block, 0)[0]), (p_block, d_block, "head 0")
+        assert np.array_equal(got[1], _heads(p1, p_block, 1)[1]), (p_block, d_block, "head 1")
+    assert c.p.finished_sending == {"p-req"} and p1.finished_sending == {"p-req"}
