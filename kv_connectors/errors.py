@@ -1,4 +1,20 @@
-"""The one error hierarchy of kv-connectors; engines' errors are mapped onto it at the boundary."""
+"""The one error hierarchy of kv-connectors; engines' errors are mapped onto it at the boundary.
+
+KVConnectorError
+├── ConfigError (ValueError)              a key or value at start-up, or a model we do not serve
+├── TransferParamsError (ValueError)      a request's kv_transfer_params
+├── HandshakeError                        the side channel: unreachable, timed out, a bad answer
+│   ├── NoAnswerError                     no answer (it may still have reached the peer)
+│   ├── IncompatiblePeerError             another compatibility hash or wire version
+│   ├── UnauthenticatedPeerError          no valid MAC where a secret is configured
+│   └── PeerProtocolError                 an answer of the wrong kind, or fields that contradict
+├── SideChannelBindError                  our side-channel port cannot be bound
+├── StaleReadError                        a read whose blocks may hold another prompt's KV now
+└── TransportError                        what the transport engine reported
+    ├── TransportUnavailableError (ImportError)
+    ├── PeerDisconnectedError
+    └── TransferTimeoutError              a transfer past its deadline (a frozen peer)
+"""
 
 from __future__ import annotations
 
@@ -30,6 +46,15 @@ class IncompatiblePeerError(HandshakeError):
 
 class UnauthenticatedPeerError(HandshakeError):
     """A side-channel message without a valid MAC where a shared secret is configured (or the reverse)."""
+
+
+class PeerProtocolError(HandshakeError):
+    """A peer's side-channel answer is of the wrong kind, or its fields contradict each other."""
+
+
+class StaleReadError(KVConnectorError):
+    """A read not proved to hold the prompt's KV: the producer's hold on the blocks may have ended
+    (lease gone, hold passed, producer restarted), so they may hold another prompt's KV now."""
 
 
 class SideChannelBindError(KVConnectorError):

@@ -19,7 +19,7 @@ from kv_connectors.consumer.tasks import (
     RecvPhase,
     RecvTask,
 )
-from kv_connectors.errors import KVConnectorError
+from kv_connectors.errors import KVConnectorError, PeerProtocolError, StaleReadError, TransferTimeoutError
 from kv_connectors.fence import LeaseWords, lease_word
 from kv_connectors.layout import KVLayout
 from kv_connectors.plan import TransferPlan, plan_blocks
@@ -131,7 +131,7 @@ class Pull:
             for t in tasks:
                 if t.phase is RecvPhase.READING and t.read is not None and t.read.epoch != epoch:
                     # a new process answers there now
-                    self._fail(t, FailReason.FENCE, KVConnectorError("the producer restarted during the read"))
+                    self._fail(t, FailReason.FENCE, StaleReadError("the producer restarted during the read"))
             tasks = [t for t in tasks if t.phase is RecvPhase.READING]
             if not tasks:
                 continue
@@ -172,7 +172,7 @@ class Pull:
         if read.step is ReadStep.LANDED and fence.step in (FenceStep.GRANTED, FenceStep.PROVED):
             if fence.step is FenceStep.GRANTED and read.landed_at > fence.hold_until:
                 why = "the read completed after the producer's hold on its blocks may have ended"
-                self._fail(task, FailReason.FENCE, KVConnectorError(why))
+                self._fail(task, FailReason.FENCE, StaleReadError(why))
                 return
             self._notify(self._producers.get(task.peer_key).agent_name, task.remote_request_id)
             self._complete(task)
@@ -180,7 +180,7 @@ class Pull:
         limit = min(task.deadline, fence.hold_until) if fence.step is FenceStep.GRANTED else task.deadline
         if now > limit:
             why = f"transfer timed out after {now - task.started:.1f} s"
-            self._fail(task, FailReason.TIMEOUT, KVConnectorError(why))
+            self._fail(task, FailReason.TIMEOUT, TransferTimeoutError(why))
 
     def _advance_words(self, task: RecvTask, fence: Fence, now: float) -> None:
         """After the data read: read P's lease words for its blocks, then compare them with the
@@ -243,11 +243,11 @@ class Pull:
         try:
             reply = batch.future.result()
             if not isinstance(reply, wire.ClaimReply):
-                raise KVConnectorError(f"unexpected answer {type(reply).__name__}")
+                raise PeerProtocolError(f"unexpected answer {type(reply).__name__}")
             i = batch.index[task.key]
             result, reason = ClaimResult(reply.results[i]), reply.reasons[i]
         except Exception as e:  # boundary: a failed claim fails this request, never the step
-            self._fail(task, FailReason.FENCE, KVConnectorError(f"could not claim the producer's lease: {e}"))
+            self._fail(task, FailReason.FENCE, StaleReadError(f"could not claim the producer's lease: {e}"))
             return
         if result is ClaimResult.GRANTED:
             fence.step, fence.hold_until = FenceStep.GRANTED, batch.sent_at + reply.hold_s * _FENCE_MARGIN
@@ -270,7 +270,7 @@ class Pull:
             self._fail(
                 task,
                 FailReason.FENCE,
-                KVConnectorError(f"refused a stale read: {why}; its blocks may hold another prompt's KV now"),
+                StaleReadError(f"refused a stale read: {why}; its blocks may hold another prompt's KV now"),
             )
 
     # idle pacing ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from kv_connectors import sidechannel, wire
 from kv_connectors.config import ConnectorConfig
 from kv_connectors.consumer.producers import Producers
 from kv_connectors.consumer.tasks import FailReason, Push, RecvFailure, RecvPhase, RecvTask
-from kv_connectors.errors import KVConnectorError, NoAnswerError
+from kv_connectors.errors import NoAnswerError, PeerProtocolError
 from kv_connectors.layout import KVLayout
 from kv_connectors.logutil import RateLimitedLog
 
@@ -183,7 +183,7 @@ class PushLoads:
         try:
             reply = future.result()
             if not isinstance(reply, wire.PushSettled):
-                raise KVConnectorError(f"unexpected answer {type(reply).__name__}")
+                raise PeerProtocolError(f"unexpected answer {type(reply).__name__}")
         except Exception as e:  # no answer (frozen or gone?), or a refusal: ask again, and whether it is gone
             _limited.warning("abort", "request %s: abort of its push not answered: %s", task.request, e)
             self._ask_gone(task)

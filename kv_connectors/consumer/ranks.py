@@ -13,7 +13,7 @@ from kv_connectors.config import ConnectorConfig
 from kv_connectors.consumer.receiver import Receiver
 from kv_connectors.consumer.renewer import Renewer
 from kv_connectors.consumer.tasks import FailReason, RecvKind, RecvTask
-from kv_connectors.errors import KVConnectorError, TransferParamsError
+from kv_connectors.errors import KVConnectorError, PeerProtocolError, TransferParamsError
 from kv_connectors.layout import KVLayout
 from kv_connectors.logutil import RateLimitedLog
 from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
@@ -43,9 +43,9 @@ class ProducerRanks:
     @classmethod
     def of(cls, reply: wire.Body, now: float) -> ProducerRanks:
         if not isinstance(reply, wire.StatsReply) or reply.tp_size < 1:
-            raise KVConnectorError(f"unexpected answer {type(reply).__name__}")
+            raise PeerProtocolError(f"unexpected answer {type(reply).__name__}")
         if reply.ranks and len(reply.ranks) != reply.tp_size:
-            raise KVConnectorError(f"it named {len(reply.ranks)} side channels for {reply.tp_size} ranks")
+            raise PeerProtocolError(f"it named {len(reply.ranks)} side channels for {reply.tp_size} ranks")
         return cls(reply.tp_size, tuple(sidechannel.parse_address(a) for a in reply.ranks), now)
 
     def key(self, peer_key: ProducerAddress, p_rank: int) -> ProducerAddress:
@@ -153,7 +153,7 @@ class Ranks:
             return peer_key
         known = self._fresh(peer_key)
         if known is None:
-            raise KVConnectorError(f"the producer at {peer_key.host}:{peer_key.port} did not say where its rank {p_rank} is")
+            raise PeerProtocolError(f"the producer at {peer_key.host}:{peer_key.port} did not say where its rank {p_rank} is")
         return known.key(peer_key, p_rank)
 
     def _needs_asking(self, peer_key: ProducerAddress, p_tp: int | None, *, must_know_tp: bool) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kv_connectors.consumer.tasks import FailReason, RecvFailure, RecvKind, RecvPhase, RecvTask
+from kv_connectors.errors import StaleReadError
 from kv_connectors.specs import ProducerAddress, RecvSpec, StepMetadata
 from tests.unit.engine.engine_harness import P_PORT, Cluster
 
@@ -75,3 +76,4 @@ def test_failure_reasons(failures):
     assert c.d.failed_recving == {"d1"}
     assert [(rid, f.reason) for _k, rid, f in failures] == [("d1", FailReason.FENCE)]
     assert "refused a stale read" in failures[0][2].message
+    assert isinstance(failures[0][2].cause, StaleReadError), "a fenced read's error is typed as such"
