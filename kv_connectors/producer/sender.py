@@ -163,7 +163,7 @@ class Sender:
         key = wk.lease
         if self.book.aborted(write.request):  # D gave up on it before it could be written
             del self._waiting[wk]
-            self.writes.failures += 1
+            self.writes.dropped()
         elif now > write.deadline:  # first: D gives these blocks up about now, a write could land after
             del self._waiting[wk]
             known = self.leases.block_ids(key) is not None
@@ -202,7 +202,7 @@ class Sender:
             if not self.leases.notice(key, now, prompt_digest=req.prompt_digest):
                 logger.warning("release of %s by %s ignored: %s", key, req.consumer_engine_id, OTHER_PROMPT)
         elif self.book.aborted(req):
-            self.writes.failures += 1
+            self.writes.dropped()
             logger.info("push of %s to %s dropped: %s", key, req.consumer_engine_id, ABORTED)
         elif key in self._cancelled:
             self.writes.finish(Write(req, now), self._cancelled[key][0])

@@ -319,6 +319,10 @@ class Writes:
             wire.TransferDone(req.consumer_request_id, self._cfg.engine_id, error, runs, attempt=req.attempt), self._hash
         )
 
+    def dropped(self) -> None:
+        """A push D aborted before anything of it was posted: counted as failed, D told nothing (it gave up)."""
+        self.failures += 1
+
     def finish(self, write: Write, error: str) -> None:
         """Tell D its push failed: nothing of it is in flight, and it is never written from now on
         (a copy of the request arriving later is refused). Best effort: D's abort covers a lost message."""
