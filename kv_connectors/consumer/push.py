@@ -151,8 +151,7 @@ class PushLoads:
     def _advance_abort(self, task: RecvTask, now: float) -> None:
         push, settle = task.push, task.settle
         assert push is not None and settle is not None
-        if now > settle.deadline and not settle.quarantined:
-            settle.quarantined = True
+        if settle.quarantine_due(now):
             logger.error(
                 "request %s: the producer at %s:%d has not confirmed that its write into our blocks ended "
                 "(%.0f s): the blocks stay held until it does, restarts or is gone",

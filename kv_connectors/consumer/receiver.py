@@ -235,8 +235,7 @@ class Receiver:
                 settle.handles.remove(handle)
         if not settle.handles:
             self._settled(task, settle.failure)
-        elif now > settle.deadline and not settle.quarantined:
-            settle.quarantined = True
+        elif settle.quarantine_due(now):
             logger.error(
                 "request %s: its failed transfer from %s:%d has not ended after %.0f s; its blocks stay held "
                 "until the transport says no byte of it can land",

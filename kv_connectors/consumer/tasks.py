@@ -144,6 +144,14 @@ class Settle:
     handles: list[Any] = dataclasses.field(default_factory=list)
     quarantined: bool = False
 
+    def quarantine_due(self, now: float) -> bool:
+        """True once, when the deadline has passed: the task is quarantined from now on (the caller
+        logs why); its blocks stay held until the transfer ended, whatever the deadline."""
+        if self.quarantined or now <= self.deadline:
+            return False
+        self.quarantined = True
+        return True
+
 
 @dataclasses.dataclass
 class RecvTask:

@@ -77,3 +77,12 @@ def test_failure_reasons(failures):
     assert [(rid, f.reason) for _k, rid, f in failures] == [("d1", FailReason.FENCE)]
     assert "refused a stale read" in failures[0][2].message
     assert isinstance(failures[0][2].cause, StaleReadError), "a fenced read's error is typed as such"
+
+
+def test_a_settling_task_is_quarantined_once_past_its_deadline():
+    from kv_connectors.consumer.tasks import Settle
+
+    settle = Settle(RecvFailure(FailReason.TIMEOUT, "late"), since=0.0, deadline=10.0)
+    assert not settle.quarantine_due(10.0) and not settle.quarantined
+    assert settle.quarantine_due(10.5) and settle.quarantined
+    assert not settle.quarantine_due(11.0), "said twice: the pull and push paths would log it again"
