@@ -22,7 +22,7 @@ from kv_connectors.layout import KVLayout
 from kv_connectors.producer.admission import Admission, PushBook, reader
 from kv_connectors.producer.consumers import Consumers
 from kv_connectors.producer.leases import SendLeases
-from kv_connectors.producer.writes import ABORTED, OTHER_PROMPT, Ready, Write, WriteKey, Writes, other_prompt_reason
+from kv_connectors.producer.writes import ABORTED, OTHER_PROMPT, Ready, Unwritable, Write, WriteKey, Writes, other_prompt_reason
 from kv_connectors.transports.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -213,17 +213,19 @@ class Sender:
             consumer = self.consumers.layout(req.consumer_agent)
             self._waiting[wk] = Write(req, self._deadline(req, received_at), consumer=consumer, received_at=received_at)
 
-    def _check(self, write: Write, own: tuple[int, ...]) -> KVLayout | str:
+    def _check(self, write: Write, own: tuple[int, ...]) -> KVLayout | Unwritable:
         """D's layout for this push, or why it cannot be written."""
         req = write.request
         dst = self.consumers.layout(req.consumer_agent)
         if dst is None:
-            return f"consumer {req.consumer_agent} did not hand-shake for push"
+            return Unwritable(f"consumer {req.consumer_agent} did not hand-shake for push")
         if write.consumer is None or dst is not write.consumer:
             # Its blocks belong to another process now (or to none we know of when it asked).
-            return f"consumer {req.consumer_agent} hand-shook again since it asked: its blocks may belong to another process"
+            return Unwritable(
+                f"consumer {req.consumer_agent} hand-shook again since it asked: its blocks may belong to another process"
+            )
         if dst.block_size == self._block_size and len(req.block_ids) > len(own):
-            return f"asked for {len(req.block_ids)} blocks, request {req.producer_request_id} holds {len(own)}"
+            return Unwritable(f"asked for {len(req.block_ids)} blocks, request {req.producer_request_id} holds {len(own)}")
         return dst
 
     def _reader_done(self, key: str, engine: str, rank: int, now: float) -> None:
@@ -254,7 +256,7 @@ class Sender:
             for wk in [wk for wk in self._waiting if wk.lease == spec.key]:  # D not here yet: pushed whole later
                 write = self._waiting[wk]
                 dst = self._check(write, spec.block_ids)
-                if isinstance(dst, str) or other_prompt_reason(write.request, spec.prompt_digest) is not None:
+                if isinstance(dst, Unwritable) or other_prompt_reason(write.request, spec.prompt_digest) is not None:
                     continue  # the whole-request path reports it
                 if now > write.deadline:
                     continue

@@ -42,6 +42,13 @@ class WriteKey(NamedTuple):
 ReaderDone = Callable[[str, str, int, float], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class Unwritable:
+    """Why a push cannot be written into D's blocks (told to D as the push's failure)."""
+
+    reason: str
+
+
 @dataclasses.dataclass
 class Write:
     """One push: D's request, then the posted write(s) from P's blocks into D's."""
@@ -152,13 +159,15 @@ class Writes:
         return bool(self._layerwise)
 
     # whole requests ---------------------------------------------------------------------------
-    def post(self, wk: WriteKey, write: Write, own: tuple[int, ...], dst: KVLayout | str, own_sizes: tuple[int, ...] = ()) -> None:
+    def post(
+        self, wk: WriteKey, write: Write, own: tuple[int, ...], dst: KVLayout | Unwritable, own_sizes: tuple[int, ...] = ()
+    ) -> None:
         """Post a write of P's blocks own into D's (dst: D's layout, or why it cannot be written;
         own_sizes: a hybrid's blocks per KV cache group)."""
         req = write.request
         try:
-            if isinstance(dst, str):
-                raise KVConnectorError(dst)
+            if isinstance(dst, Unwritable):
+                raise KVConnectorError(dst.reason)
             plan = plan_write(self._layout, own, dst, req, own_sizes=own_sizes)
             write.runs, write.nbytes = plan.num_runs, plan.total_bytes
             notif = self._done(req, runs=plan.num_runs)
