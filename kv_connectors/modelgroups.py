@@ -82,6 +82,12 @@ class ModelGroups:
         head = f"{self.architecture}, {'hybrid, ' if self.hybrid else ''}{verdict}"
         return head + "".join(f"\n  {k.describe()}" for k in self.kinds)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelGroups:
+        """as_dict()'s inverse (the doctor's report keeps the dict)."""
+        kinds = tuple(LayerKind(k["kind"], tuple(k["layers"]), k["window"] or 0) for k in d["kinds"])
+        return cls(d["architecture"], kinds, d["refusal"] or "")
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "architecture": self.architecture,

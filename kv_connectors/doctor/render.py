@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from kv_connectors.modelgroups import ModelGroups
+
 
 def _words(items: Sequence[str] | dict[str, str]) -> str:
     if isinstance(items, dict):
@@ -67,13 +69,8 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _model_lines(model: dict[str, Any]) -> list[str]:
-    """`--model`: its verdict, then a line per kind of cached layer (as check-config --model prints them)."""
+    """`--model`: its verdict, then a line per kind of cached layer, as check-config --model prints them."""
     if "error" in model:
         return [f"MODEL PROBLEM: {model['error']}"]
-    head = f"model: {model['architecture']}, " + ("hybrid, " if len(model["kinds"]) > 1 else "")
-    head += "served" if model["served"] else f"refused: {model['refusal']}"
-    rows = []
-    for k in model["kinds"]:
-        window = f" (window {k['window']})" if k["window"] else ""
-        rows.append(f"  {k['kind']}{window}: {len(k['layers'])} layers")
-    return [head if model["served"] else "MODEL PROBLEM: " + head, *rows]
+    groups = ModelGroups.from_dict(model)
+    return [("model: " if groups.served else "MODEL PROBLEM: model: ") + groups.describe()]

@@ -84,6 +84,7 @@ def test_sliding_window_beside_full_attention_is_served(config: dict[str, Any], 
     groups = modelgroups.model_groups(config)
     assert _kinds(config) == kinds
     assert groups.hybrid and groups.served and groups.refusal == ""
+    assert modelgroups.ModelGroups.from_dict(groups.as_dict()) == groups  # the doctor renders from the dict
 
 
 @pytest.mark.parametrize(
